@@ -1,0 +1,22 @@
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test clean
+
+$(BIN)/activate: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(BIN)/activate
+
+# The main job: plan, explain and train two models on the CPU under a budget.
+demo: $(BIN)/activate
+	XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander $(BIN)/python examples/demo.py
+
+# The whole test suite (tests/conftest.py sets the CPU barrier flag before JAX starts).
+test: $(BIN)/activate
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)

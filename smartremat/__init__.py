@@ -1,0 +1,13 @@
+"""smartremat: choose `jax.checkpoint` placement and policies for an Equinox module under a memory budget."""
+
+from ._decorator import SmartRemat as SmartRemat
+from ._decorator import smartremat as smartremat
+from ._explain import explain as explain
+from ._plan import MB as MB
+from ._plan import Plan as Plan
+from ._plan import PlanBlock as PlanBlock
+from ._plan import PolicyFigures as PolicyFigures
+
+smartremat.explain = explain  # `from smartremat import smartremat; smartremat.explain(...)`
+
+__version__ = "0.1.0"

@@ -1,0 +1,152 @@
+"""`smartremat(budget_mb=...)`: as a class decorator or applied to a module instance."""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+
+from . import _apply, _planner
+from ._plan import MB
+from ._policies import normalise_policies
+from ._spec import make_spec
+
+
+def _check_budget(budget_mb: Any, name: str = "smartremat(budget_mb=...)") -> int:
+    ok = isinstance(budget_mb, numbers.Real) and not isinstance(budget_mb, bool)
+    if not ok or not math.isfinite(float(budget_mb)) or float(budget_mb) <= 0:
+        raise ValueError(
+            f"`{name}` should be a positive, finite number of megabytes (2**20 bytes), not "
+            f"{budget_mb!r}. It caps the peak activation memory of one forward+backward through "
+            "the module; e.g. `budget_mb=512`."
+        )
+    return int(float(budget_mb) * MB)
+
+
+def make_config(budget_mb, policies, blocks, calibrate, verify) -> _planner.Config:
+    if blocks is not None and not callable(blocks):
+        raise TypeError(
+            f"`smartremat(blocks=...)` should be a function from the module to a sub-module or a "
+            f"sequence of them (as in `eqx.tree_at`), not {blocks!r}; e.g. `blocks=lambda m: m.layers`."
+        )
+    return _planner.Config(_check_budget(budget_mb), normalise_policies(policies),
+                           float(budget_mb), blocks, bool(calibrate), bool(verify))
+
+
+def planned_call(module: Any, call: Callable, config: _planner.Config, args: tuple, kwargs: dict):
+    """Plan (once per signature) and run `call(module, *args, **kwargs)` under the plan."""
+    spec = make_spec(module, args, kwargs)
+    plan = _planner.get_plan(call, spec, module, config)
+    return _apply.run(module, call, plan.assignment, args, kwargs)
+
+
+class SmartRemat(eqx.Module):
+    """A module wrapped by `smartremat(budget_mb=...)(module)`: called like `module`.
+
+    Its only array leaves are those of `module`, so parameters and gradients are the same.
+    """
+
+    module: eqx.Module
+    config: _planner.Config = eqx.field(static=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return planned_call(self.module, _unbound_call(self.module), self.config, args, kwargs)
+
+
+def _unbound_call(module: Any) -> Callable:
+    return type(module).__call__
+
+
+def _decorate_class(cls: type, config: _planner.Config) -> type:
+    """Give `cls` a planning `__call__`, in place, so instances keep the exact same pytree.
+
+    Like `dataclasses.dataclass`, this acts on the class being defined; the original call is
+    kept (as `__smartremat__`) and runs, unchanged, inside the plan.
+    """
+    if "__smartremat__" in cls.__dict__:
+        raise TypeError(
+            f"`smartremat(...)` was applied twice to the class {cls.__name__!r}. Decorate it "
+            "once, with the budget you want."
+        )
+    original = cls.__call__
+
+    @functools.wraps(original)
+    def __call__(self, *args, **kwargs):
+        return planned_call(self, original, config, args, kwargs)
+
+    cls.__call__ = __call__
+    cls.__smartremat__ = (config, original)
+    return cls
+
+
+def smartremat(
+    budget_mb: float,
+    *,
+    policies: Sequence[Callable[..., bool] | None] | None = None,
+    blocks: Callable[[Any], Any] | None = None,
+    calibrate: bool = True,
+    verify: bool = True,
+) -> Callable[[Any], Any]:
+    """Choose and apply gradient checkpointing so one forward+backward fits `budget_mb`.
+
+    **Arguments:**
+
+    - `budget_mb`: cap on the peak activation memory (MB = 2**20 bytes) of one forward and
+      backward pass through the module: residuals kept for the backward plus the backward's
+      working set, excluding parameters, inputs, outputs and gradient buffers.
+    - `policies`: the `jax.checkpoint` policies to choose from per block. Defaults to
+      `dots_saveable`, `dots_with_no_batch_dims_saveable` and `nothing_saveable`; no remat is
+      always an option. Policies that save the same residuals for a block are merged.
+    - `blocks`: a function from the module to the sub-module(s) to plan over (as in
+      `eqx.tree_at`). Defaults to the sub-modules its forward calls, found automatically.
+    - `calibrate`: ask the compiler for each distinct block's own peak (one small compile per
+      block and policy, no device memory). Without it the model uses jaxpr counts only.
+    - `verify`: compile the real step for the candidate plans and keep the cheapest whose
+      compiled temp bytes fit; the compiler, not the model, then guarantees the fit.
+
+    **Returns:**
+
+    A decorator. On an `eqx.Module` subclass it returns that class, whose instances (same
+    fields, same pytree) plan on their first call per input signature. On a module instance it returns
+    a `SmartRemat` wrapper, called like the module, holding the same arrays.
+    """
+    config = make_config(budget_mb, policies, blocks, calibrate, verify)
+
+    def decorate(target: Any) -> Any:
+        if isinstance(target, type):
+            if not issubclass(target, eqx.Module):
+                raise TypeError(
+                    f"`smartremat(...)` decorates `eqx.Module` subclasses or instances, not the "
+                    f"class {target.__name__!r}. Make it inherit from `equinox.Module`, or wrap a "
+                    "module instance: `smartremat(budget_mb=...)(model)`."
+                )
+            return _decorate_class(target, config)
+        if isinstance(target, eqx.Module) and callable(target):
+            return SmartRemat(target, config)
+        raise TypeError(
+            f"`smartremat(...)` should be applied to an `eqx.Module` subclass or a callable "
+            f"module instance, not {type(target).__name__} {target!r:.60}. For a plain function, "
+            "put it in a Module's `__call__`."
+        )
+
+    return decorate
+
+
+def config_of(model: Any) -> tuple[_planner.Config, Callable, Any] | None:
+    """`(config, original call, inner module)` of a decorated instance or wrapper, else None."""
+    if isinstance(model, SmartRemat):
+        return model.config, _unbound_call(model.module), model.module
+    found = type(model).__dict__.get("__smartremat__")
+    if found is not None:
+        return found[0], found[1], model
+    return None
+
+
+def warn_cpu() -> None:
+    if _planner.cpu_barrier_missing():
+        warnings.warn("smartremat: " + _planner.CPU_NOTE + ".", stacklevel=3)

@@ -1,0 +1,58 @@
+"""`explain(model, *args)`: the plan the decorator makes, for reading."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+
+from . import _planner
+from ._decorator import _check_budget, config_of, make_config
+from ._plan import Plan
+from ._spec import make_spec, vmapped_spec
+
+
+def explain(
+    model: Any, *args: Any, budget_mb: float | None = None, vmap: bool = False, **kwargs: Any
+) -> Plan:
+    """The `Plan` smartremat makes for `model(*args, **kwargs)`: what it chose, and why.
+
+    **Arguments:**
+
+    - `model`: an instance of a `@smartremat`-decorated class, a module wrapped by
+      `smartremat(...)(module)`, or a plain `eqx.Module` (then `budget_mb` is required).
+    - `*args`, `**kwargs`: the inputs, as arrays or `jax.ShapeDtypeStruct`s (only their
+      shapes and dtypes matter; nothing is computed).
+    - `budget_mb`: overrides the decorator's budget; required for a plain module.
+    - `vmap`: explain the plan for `jax.vmap(model)(*args)` instead, where axis 0 of every
+      array argument is the batch (the budget then counts the whole batch, as it does when
+      the decorated module runs under `jax.vmap`).
+
+    **Returns:**
+
+    The same `Plan` value the decorator uses for this signature: `print(plan)` shows a table,
+    `plan.to_dict()` is JSON-serialisable.
+    """
+    found = config_of(model)
+    if found is None:
+        if not isinstance(model, eqx.Module):
+            raise TypeError(
+                f"`explain(model=...)` should be an `eqx.Module`, not {type(model).__name__}. "
+                "Pass the module instance you would call."
+            )
+        if budget_mb is None:
+            raise ValueError(
+                f"`explain(model=...)` got a plain {type(model).__name__}, which carries no budget: "
+                "pass `budget_mb=...`, or decorate the class with `@smartremat(budget_mb=...)`."
+            )
+        config = make_config(budget_mb, None, None, True, True)
+        call, module = type(model).__call__, model
+    else:
+        config, call, module = found
+        if budget_mb is not None:
+            config = dataclasses.replace(
+                config, budget_bytes=_check_budget(budget_mb, "explain(budget_mb=...)"),
+                budget_mb=float(budget_mb))
+    spec = vmapped_spec(module, args, kwargs) if vmap else make_spec(module, args, kwargs)
+    return _planner.get_plan(call, spec, module, config)

@@ -1,0 +1,56 @@
+"""The one place smartremat touches private JAX API, each use with a public fallback.
+
+Only one thing needs it: under `jax.vmap(model)(x)` the module sees per-example tracers,
+but the memory budget counts the whole batch, so the planner must learn the batch size and
+axis of each argument. Public JAX has no way to ask a tracer for that; if the private
+attributes are missing, `batch_axes` reports "not batched" and the decorator warns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:  # private: jax._src.interpreters.{batching,ad}
+    from jax._src.interpreters import ad as _ad
+    from jax._src.interpreters import batching as _batching
+
+    _BatchTracer = _batching.BatchTracer
+    _PRIMAL_TRACERS = tuple(
+        t for t in (getattr(_ad, "JVPTracer", None), getattr(_ad, "LinearizeTracer", None)) if t
+    )
+    AVAILABLE = True
+except Exception:  # pragma: no cover - public fallback
+    _BatchTracer = ()
+    _PRIMAL_TRACERS = ()
+    AVAILABLE = False
+
+
+def _strip_primal(x: Any) -> Any:
+    while _PRIMAL_TRACERS and isinstance(x, _PRIMAL_TRACERS):
+        x = getattr(x, "primal", x)
+        if not isinstance(x, _PRIMAL_TRACERS):
+            break
+    return x
+
+
+def batch_axis(leaf: Any) -> tuple[int, int, Any] | None:
+    """For a leaf seen inside one `jax.vmap`, `(axis_size, batch_dim, trace)`; else `None`."""
+    if not AVAILABLE:
+        return None
+    x = _strip_primal(leaf)
+    if not isinstance(x, _BatchTracer):
+        return None
+    bdim = x.batch_dim
+    if not isinstance(bdim, int):
+        return None
+    size = x._trace.axis_data.size
+    return int(size), int(bdim), x._trace
+
+
+def inner_value(leaf: Any) -> Any:
+    """The batched value underneath a `BatchTracer` (to detect nested vmaps)."""
+    return _strip_primal(_strip_primal(leaf).val)
+
+
+def is_batched(leaf: Any) -> bool:
+    return AVAILABLE and isinstance(_strip_primal(leaf), _BatchTracer)

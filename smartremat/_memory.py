@@ -1,0 +1,47 @@
+"""The order-aware peak of forward then backward (design.md fact 4).
+
+A model is a sequence of stages in call order, one per block call. Choosing option `o` for
+stage `i` keeps `saved[i][o]` bytes alive from stage `i`'s forward until its backward, and
+stage `i`'s own forward and backward need `peak[i][o]` bytes (its kept bytes included) while
+the kept bytes of every earlier stage are still alive. So
+
+    peak(choice) = offset + max_i ( sum_{j<i} saved[j][c_j] + peak[i][c_i] ),
+
+which is not a sum of saved bytes: the same choices placed on late blocks cost more than
+on early ones, and recomputing the last block saves nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One block call: per option, bytes kept, own peak, and recompute cost.
+
+    Stages with the same `group` are calls of the same block and must take the same option.
+    """
+
+    saved: tuple[int, ...]
+    peak: tuple[int, ...]
+    cost: tuple[int, ...]
+    group: int
+
+    def __post_init__(self):
+        if not (len(self.saved) == len(self.peak) == len(self.cost) > 0):
+            raise ValueError("a Stage needs the same number (>0) of saved, peak and cost entries")
+
+
+def peak_of(stages: Sequence[Stage], choice: Sequence[int], offset: int = 0) -> int:
+    """Modelled peak bytes of `choice` (one option index per stage)."""
+    kept, worst = 0, 0
+    for st, c in zip(stages, choice, strict=True):
+        worst = max(worst, kept + st.peak[c])
+        kept += st.saved[c]
+    return offset + worst
+
+
+def cost_of(stages: Sequence[Stage], choice: Sequence[int]) -> int:
+    return sum(st.cost[c] for st, c in zip(stages, choice, strict=True))

@@ -1,0 +1,102 @@
+"""The `Plan`: what smartremat chose for each block, with the figures behind the choice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MB = 2**20  #: smartremat's megabyte: `budget_mb=1` means 2**20 bytes.
+
+
+@dataclass(frozen=True)
+class PolicyFigures:
+    """One option for one block: `saved_bytes` kept for the backward, its own `peak_bytes`."""
+
+    name: str
+    saved_bytes: int
+    peak_bytes: int
+    recompute_flops: int
+    merged: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"saved_mb": self.saved_bytes / MB, "peak_mb": self.peak_bytes / MB,
+                "recompute_flops": self.recompute_flops, "merged": list(self.merged)}
+
+
+@dataclass(frozen=True)
+class PlanBlock:
+    """One candidate block: where it is, how often it runs, and the policy chosen for it."""
+
+    path: str
+    type: str
+    calls: int
+    policy: str
+    options: tuple[PolicyFigures, ...]
+
+    @property
+    def chosen(self) -> PolicyFigures:
+        return next(o for o in self.options if o.name == self.policy or self.policy in o.merged)
+
+    def to_dict(self) -> dict:
+        return {
+            "path": self.path, "type": self.type, "calls": self.calls, "policy": self.policy,
+            "saved_mb": self.chosen.saved_bytes * self.calls / MB,
+            "recompute_flops": self.chosen.recompute_flops * self.calls,
+            "policies": {o.name: o.to_dict() for o in self.options},
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An immutable remat plan for one module, input signature and budget.
+
+    Peaks are the activation memory of one forward+backward through the module (see the
+    docs: what the budget means). `predicted_*` figures come from smartremat's model;
+    `compiled_peak_bytes` and `compiled_flops` from the compiler, when the plan was verified.
+    """
+
+    budget_bytes: int
+    predicted_peak_bytes: int
+    no_remat_peak_bytes: int
+    full_remat_peak_bytes: int
+    min_peak_bytes: int
+    recompute_flops: int
+    forward_flops: int
+    blocks: tuple[PlanBlock, ...]
+    compiled_peak_bytes: int | None = None
+    compiled_flops: float | None = None
+    fixed_bytes: int = 0
+    planning_seconds: float = 0.0
+    backend: str = ""
+    notes: tuple[str, ...] = ()
+    assignment: Any = field(default=(), compare=False, repr=False)
+    stages: Any = field(default=(), compare=False, repr=False)
+
+    def to_dict(self) -> dict:
+        """A JSON-serialisable dict (MB are 2**20 bytes)."""
+        return {
+            "budget_mb": self.budget_bytes / MB,
+            "predicted_peak_mb": self.predicted_peak_bytes / MB,
+            "compiled_peak_mb": None if self.compiled_peak_bytes is None else self.compiled_peak_bytes / MB,
+            "no_remat_peak_mb": self.no_remat_peak_bytes / MB,
+            "full_remat_peak_mb": self.full_remat_peak_bytes / MB,
+            "min_peak_mb": self.min_peak_bytes / MB,
+            "fixed_mb": self.fixed_bytes / MB,
+            "recompute_flops": self.recompute_flops,
+            "forward_flops": self.forward_flops,
+            "compiled_flops": self.compiled_flops,
+            "planning_s": self.planning_seconds,
+            "backend": self.backend,
+            "notes": list(self.notes),
+            "blocks": [b.to_dict() for b in self.blocks],
+        }
+
+    @property
+    def policies(self) -> dict[str, str]:
+        """`{block path: chosen policy name}`."""
+        return {b.path: b.policy for b in self.blocks}
+
+    def __str__(self) -> str:
+        from ._render import render
+
+        return render(self)

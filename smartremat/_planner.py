@@ -1,0 +1,239 @@
+"""discover -> profile -> model -> solve -> verify: the one entry the decorator and explain call."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from ._apply import call_module
+from ._discover import BlockCall, discover, path_str
+from ._memory import Stage, cost_of, peak_of
+from ._plan import MB, Plan, PlanBlock, PolicyFigures
+from ._policies import policy_name
+from ._profile import BlockProfile, n_module_leaves, profile_block, _residuals
+from ._solve import Solution, frontier, min_peak, solve
+from ._spec import CallSpec
+from ._verify import compiled_step
+
+logger = logging.getLogger("smartremat")
+
+
+@dataclass(frozen=True)
+class Config:
+    """What the user asked for; part of every cache key."""
+
+    budget_bytes: int
+    policies: tuple
+    budget_mb: float = 0.0
+    blocks: Callable | None = None
+    calibrate: bool = True
+    verify: bool = True
+
+
+@dataclass(frozen=True)
+class Model:
+    """The profiled module: block calls, their profiles, and the solver's stages."""
+
+    calls: tuple[BlockCall, ...]
+    profiles: tuple[BlockProfile, ...]
+    stages: tuple[Stage, ...]
+    fixed_bytes: int
+
+
+_PLANS: dict[tuple, Plan] = {}
+_LOCK = threading.Lock()
+
+
+def plan_key(call: Callable, spec: CallSpec, config: Config) -> tuple:
+    return (call, spec.key(), config, jax.default_backend(), os.environ.get("XLA_FLAGS", ""))
+
+
+def get_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Plan:
+    """The plan for this signature and config, made once (thread-safe cache)."""
+    key = plan_key(call, spec, config)
+    with _LOCK:
+        if key in _PLANS:
+            return _PLANS[key]
+    plan = make_plan(call, spec, module, config)
+    with _LOCK:
+        return _PLANS.setdefault(key, plan)
+
+
+def _option_of(profile: BlockProfile, policy: Any):
+    name = policy_name(policy)
+    return next(o for o in profile.options if o.name == name or name in o.merged)
+
+
+def build_model(call: Callable, spec: CallSpec, module: Any, config: Config) -> Model:
+    """Discover the block calls and profile each distinct one under every policy."""
+    calls = tuple(discover(module, call, spec, config.blocks))
+    profiles = tuple(
+        profile_block(c.spec, call if c.path == () else call_module, config.policies, config.calibrate)
+        for c in calls
+    )
+    groups = {p: i for i, p in enumerate(dict.fromkeys(c.path for c in calls))}
+    stages = []
+    for c, prof in zip(calls, profiles):
+        opts = [_option_of(prof, pol) for pol in config.policies]
+        stages.append(Stage(tuple(o.saved_bytes for o in opts), tuple(o.peak_bytes for o in opts),
+                            tuple(o.recompute.flops for o in opts), groups[c.path]))
+    fixed = _fixed_bytes(call, spec, calls, profiles, config)
+    return Model(calls, profiles, tuple(stages), fixed)
+
+
+def _fixed_bytes(call, spec, calls, profiles, config) -> int:
+    """Residuals of the work outside blocks (embedding, head, ...), held for the whole pass."""
+    if len(calls) == 1 and calls[0].path == ():
+        return 0
+    from ._apply import run
+
+    full = jax.checkpoint_policies.nothing_saveable
+    assignment = tuple((c.path, full) for c in dict((c.path, c) for c in calls).values())
+    f = spec.function(lambda m, *a, **k: run(m, call, assignment, a, k))
+    internal, _, _ = _residuals(f, spec, n_module_leaves(spec))
+    block_inputs = sum(_option_of(p, full).residual_bytes for p in profiles)
+    return max(internal - block_inputs, 0)
+
+
+def assignment_of(model: Model, policies: tuple, choice: tuple[int, ...]) -> tuple:
+    seen: dict = {}
+    for c, o in zip(model.calls, choice):
+        seen.setdefault(c.path, policies[o])
+    return tuple(seen.items())
+
+
+def make_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Plan:
+    t0 = time.perf_counter()
+    model = build_model(call, spec, module, config)
+    stages, fixed = model.stages, model.fixed_bytes
+    lowest = min_peak(stages)
+    sol = solve(stages, config.budget_bytes - fixed)
+    if sol is None and not config.verify:
+        raise infeasible(config, spec, lowest.peak + fixed, "predicted by smartremat's model")
+    compiled = None
+    if config.verify:
+        sol, compiled = _verified(call, spec, model, config, sol or lowest, lowest)
+    plan = _assemble(model, config, sol, lowest, compiled, time.perf_counter() - t0)
+    logger.info("smartremat planned %s:\n%s", type(module).__name__, plan)
+    return plan
+
+
+_MAX_FRONTIER_STAGES = 64
+
+
+def _verified(call, spec, model: Model, config: Config, sol: Solution, lowest: Solution):
+    """The cheapest candidate whose *compiled* temp bytes fit the budget.
+
+    Candidates are the model's Pareto frontier (bisected: compiled peaks fall along it as the
+    predicted ones do) and every uniform plan, each compiled once and cached; the winner has
+    the fewest compiled FLOPs among those that fit.
+    """
+    policies, budget = config.policies, config.budget_bytes
+    stages = model.stages
+    front = frontier(stages) if len(stages) <= _MAX_FRONTIER_STAGES else [lowest, sol]
+
+    def measure(choice):
+        return compiled_step(call, spec, assignment_of(model, policies, choice))
+
+    if measure(front[0].choice)[0] > budget:
+        floor = min(measure(front[0].choice)[0],
+                    min(measure((o,) * len(stages))[0] for o in range(len(policies))))
+        if floor > budget:
+            raise infeasible(config, spec, floor, "compiled temp bytes of the training step")
+    good, lo, hi = None, 0, len(front) - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if measure(front[mid].choice)[0] <= budget:
+            good, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    cands = [front[good].choice] if good is not None else []
+    cands += [(o,) * len(stages) for o in range(len(policies))]
+    fits = [(measure(ch)[1], measure(ch)[0], cost_of(stages, ch), ch) for ch in cands
+            if measure(ch)[0] <= budget]
+    flops, temp, cost, choice = min(fits)
+    return Solution(choice, peak_of(stages, choice), cost), (temp, flops)
+
+
+def infeasible(config: Config, spec: CallSpec, floor: int, kind: str) -> ValueError:
+    shapes = ", ".join(f"{d.dtype}{list(d.shape)}" for d in spec.dynamic[n_module_leaves(spec):])
+    up = math.ceil(floor / MB * 100) / 100
+    return ValueError(
+        f"`smartremat(budget_mb={config.budget_mb:g})` is below the lowest peak any remat plan "
+        f"reaches for this module on inputs ({shapes}): {floor / MB:.3f} MB ({kind}). Raise "
+        f"`budget_mb` to at least {up:.2f}, lower the batch size, or name finer blocks with "
+        "`blocks=` so that smaller pieces can be recomputed."
+    )
+
+
+def _blocks(model: Model, config: Config, choice: tuple[int, ...]) -> tuple[PlanBlock, ...]:
+    out, counts = {}, {}
+    for c, prof, o in zip(model.calls, model.profiles, choice):
+        counts[c.path] = counts.get(c.path, 0) + 1
+        if c.path in out:
+            continue
+        figures = tuple(PolicyFigures(p.name, p.saved_bytes, p.peak_bytes, p.recompute.flops, p.merged)
+                        for p in prof.options)
+        out[c.path] = (c, figures, policy_name(config.policies[o]))
+    return tuple(PlanBlock(path_str(c.path), c.type_name, counts[p], pol, figs)
+                 for p, (c, figs, pol) in out.items())
+
+
+def _uniform_peak(stages, policies, policy) -> int:
+    idx = next((i for i, p in enumerate(policies) if p is policy), len(policies) - 1)
+    return peak_of(stages, (idx,) * len(stages))
+
+
+def _assemble(model: Model, config: Config, sol: Solution, lowest: Solution, compiled, seconds) -> Plan:
+    stages, fixed = model.stages, model.fixed_bytes
+    return Plan(
+        budget_bytes=config.budget_bytes,
+        predicted_peak_bytes=sol.peak + fixed,
+        no_remat_peak_bytes=peak_of(stages, (0,) * len(stages)) + fixed,
+        full_remat_peak_bytes=_uniform_peak(stages, config.policies, jax.checkpoint_policies.nothing_saveable) + fixed,
+        min_peak_bytes=lowest.peak + fixed,
+        recompute_flops=sol.cost,
+        forward_flops=sum(p.forward.flops for p in model.profiles),
+        blocks=_blocks(model, config, sol.choice),
+        compiled_peak_bytes=None if compiled is None else int(compiled[0]),
+        compiled_flops=None if compiled is None else float(compiled[1]),
+        fixed_bytes=fixed,
+        planning_seconds=seconds,
+        backend=jax.default_backend(),
+        notes=tuple(_notes(model, sol)),
+        assignment=assignment_of(model, config.policies, sol.choice),
+        stages=stages,
+    )
+
+
+CPU_NOTE = (
+    "on the CPU backend XLA removes remat's optimisation barriers before CSE, so remat outside "
+    "loops saves nothing unless XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander is set "
+    "before JAX is imported"
+)
+
+
+def cpu_barrier_missing() -> bool:
+    return jax.default_backend() == "cpu" and "cse_barrier_expander" not in os.environ.get("XLA_FLAGS", "")
+
+
+def _notes(model: Model, sol: Solution) -> list[str]:
+    notes = [CPU_NOTE] if cpu_barrier_missing() else []
+    kept, worst, at = 0, -1, 0
+    for i, (st, c) in enumerate(zip(model.stages, sol.choice)):
+        if kept + st.peak[c] > worst:
+            worst, at = kept + st.peak[c], i
+        kept += st.saved[c]
+    prior = worst - model.stages[at].peak[sol.choice[at]]
+    notes.append(
+        f"the peak is reached in the backward of {path_str(model.calls[at].path)} "
+        f"({model.calls[at].type_name}), while {prior / MB:.2f} MB kept by earlier blocks are alive")
+    return notes

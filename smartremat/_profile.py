@@ -1,0 +1,258 @@
+"""Profile a block under each policy: bytes kept for the backward, its own peak, recompute cost.
+
+Everything here runs on abstract values (`jax.make_jaxpr`, `jax.eval_shape`, and, when
+calibrating, `jit(...).lower(ShapeDtypeStruct...).compile()`): no device memory is used.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from ._cost import Cost, aval_bytes, jaxpr_cost
+from ._policies import policy_name
+from ._spec import CallSpec
+
+
+@dataclass(frozen=True)
+class PolicyProfile:
+    """One block under one policy. Bytes are for the whole call (the whole batch under vmap).
+
+    **Fields:**
+
+    - `name`: the policy's name (`"none"` for no remat); `merged`: other policies of the menu
+      that save exactly the same residuals for this block, and so were merged into this one.
+    - `saved_bytes`: bytes kept alive from this block's forward until its backward.
+    - `peak_bytes`: this block's own peak during its forward and backward, its kept bytes included.
+    - `residual_bytes`: the jaxpr-level residual count (before any calibration).
+    - `recompute`: FLOPs and bytes that the backward recomputes (zero for no remat).
+    """
+
+    name: str
+    policy: Any = field(compare=False, repr=False)
+    saved_bytes: int
+    peak_bytes: int
+    residual_bytes: int
+    recompute: Cost
+    signature: tuple = field(repr=False)
+    merged: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """A distinct block (structure and input signature): its forward cost and its options."""
+
+    forward: Cost
+    options: tuple[PolicyProfile, ...]
+    calibrated: bool
+
+
+def _is_float(d: jax.ShapeDtypeStruct) -> bool:
+    return jnp.issubdtype(d.dtype, jnp.inexact)
+
+
+def _loss(out: Any) -> jax.Array:
+    leaves = [x for x in jax.tree.leaves(out) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
+    return sum((jnp.sum(x.astype(jnp.float32)) for x in leaves), jnp.float32(0))
+
+
+def _split(f: Callable, spec: CallSpec, first_n: int | None = None):
+    """`(diff_idx, g)` with `g(diff_leaves, all_leaves)` calling `f` with `diff` substituted."""
+    n = len(spec.dynamic) if first_n is None else first_n
+    diff_idx = [i for i, d in enumerate(spec.dynamic[:n]) if _is_float(d)]
+
+    def g(diff, dyn):
+        full = list(dyn)
+        for i, x in zip(diff_idx, diff):
+            full[i] = x
+        return f(*full)
+
+    return diff_idx, g
+
+
+def grad_step(f: Callable, spec: CallSpec, module_only: bool = False) -> Callable:
+    """`step(*dynamic)`: gradient of the summed floating outputs of `f` w.r.t. floating inputs.
+
+    With `module_only`, only the module's own leaves (its parameters) are differentiated.
+    """
+    diff_idx, g = _split(f, spec, n_module_leaves(spec) if module_only else None)
+
+    def step(*dyn):
+        return jax.grad(lambda d: _loss(g(d, dyn)))([dyn[i] for i in diff_idx])
+
+    return step
+
+
+def _residuals(f: Callable, spec: CallSpec, n_module: int) -> tuple[int, int, tuple]:
+    """(internal residual bytes, saved-argument bytes, signature) of `f`'s VJP."""
+    diff_idx, g = _split(f, spec)
+
+    def res(*dyn):
+        return jax.vjp(lambda *d: g(d, dyn), *[dyn[i] for i in diff_idx])[1]
+
+    closed = jax.make_jaxpr(res)(*spec.dynamic)
+    invars = {v: i for i, v in enumerate(closed.jaxpr.invars)}
+    consts = set(closed.jaxpr.constvars)
+    internal, args, sig, seen = 0, 0, [], set()
+    for v in closed.jaxpr.outvars:
+        if isinstance(v, jcore.Literal) or v in seen or v in consts:
+            continue
+        seen.add(v)
+        if v in invars:
+            if invars[v] >= n_module:
+                args += aval_bytes(v.aval)
+            sig.append(("input", invars[v]))
+        else:
+            internal += aval_bytes(v.aval)
+            sig.append((tuple(v.aval.shape), str(v.aval.dtype)))
+    return internal, args, tuple(sorted(sig, key=repr))
+
+
+def compiled_temp(fn: Callable, spec: CallSpec | tuple) -> tuple[int, float]:
+    """Compiler's temp bytes and FLOPs of `fn(*spec.dynamic)` (abstract: no device memory)."""
+    avals = spec.dynamic if isinstance(spec, CallSpec) else spec
+    compiled = jax.jit(fn).lower(*avals).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return int(compiled.memory_analysis().temp_size_in_bytes), float((cost or {}).get("flops", 0.0))
+
+
+def _chainable(f: Callable, spec: CallSpec, n_module: int) -> int | None:
+    """Index of the dynamic leaf that is args[0] if the output has exactly its type, else None."""
+    if len(spec.dynamic) <= n_module or _first_arg_leaf(spec) != n_module:
+        return None
+    out = jax.eval_shape(f, *spec.dynamic)
+    d = spec.dynamic[n_module]
+    if isinstance(out, jax.ShapeDtypeStruct) and (out.shape, out.dtype) == (d.shape, d.dtype):
+        return n_module
+    return None
+
+
+def _first_arg_leaf(spec: CallSpec) -> int | None:
+    """Dynamic index of the first leaf of `args[0]`, if it is an array."""
+    module_def, args_def, _ = jax.tree_util.treedef_children(spec.treedef)
+    first = module_def.num_leaves
+    if args_def.num_leaves == 0 or first in dict(spec.static):
+        return None
+    return n_module_leaves(spec)
+
+
+def n_module_leaves(spec: CallSpec) -> int:
+    n = jax.tree_util.treedef_children(spec.treedef)[0].num_leaves
+    return n - sum(1 for i, _ in spec.static if i < n)
+
+
+def _wrap(policy: Any) -> Callable | None:
+    if policy is None:
+        return None
+    return lambda f: jax.checkpoint(f, policy=policy)
+
+
+_CACHE: dict[tuple, BlockProfile] = {}
+_LOCK = threading.Lock()
+
+
+def profile_key(spec: CallSpec, call: Callable, menu: tuple, calibrate: bool) -> tuple:
+    """Everything a profile depends on: signature, code, policy menu, backend, XLA flags."""
+    return (
+        spec.key(), call, tuple(menu), calibrate,
+        jax.default_backend(), os.environ.get("XLA_FLAGS", ""),
+    )
+
+
+def profile_block(spec: CallSpec, call: Callable, menu: tuple, calibrate: bool) -> BlockProfile:
+    """Profile `call(module, *args)` under every policy of `menu` (cached by `profile_key`)."""
+    key = profile_key(spec, call, menu, calibrate)
+    with _LOCK:
+        if key in _CACHE:
+            return _CACHE[key]
+    result = _profile_uncached(spec, call, menu, calibrate)
+    with _LOCK:
+        return _CACHE.setdefault(key, result)
+
+
+def _profile_uncached(spec: CallSpec, call: Callable, menu: tuple, calibrate: bool) -> BlockProfile:
+    n_module = n_module_leaves(spec)
+    f_none = spec.function(call)
+    base = jaxpr_cost(jax.make_jaxpr(grad_step(f_none, spec))(*spec.dynamic))
+    raw, seen = [], {}
+    for policy in menu:
+        f = spec.function(call, _wrap(policy))
+        internal, args, sig = _residuals(f, spec, n_module)
+        if sig in seen and policy is not None:  # same residuals as an earlier policy: merge
+            seen[sig][3].append(policy_name(policy))
+            continue
+        total = jaxpr_cost(jax.make_jaxpr(grad_step(f, spec))(*spec.dynamic))
+        entry = [policy, internal, args, [], total - base, sig, f]
+        seen.setdefault(sig, entry)
+        raw.append(entry)
+    peaks, saved_none = _calibration(raw, spec, n_module, calibrate)
+    options = []
+    for j, (policy, internal, args, merged, recompute, sig, _) in enumerate(raw):
+        saved = saved_none if (policy is None and saved_none is not None) else internal + args
+        peak = peaks[j] if peaks is not None else internal + args + _transient(raw[0])
+        options.append(PolicyProfile(
+            policy_name(policy), policy, int(saved), int(max(peak, saved)), int(internal + args),
+            Cost(max(recompute.flops, 0), max(recompute.bytes, 0)), sig, tuple(merged)))
+    forward = jaxpr_cost(jax.make_jaxpr(f_none)(*spec.dynamic))
+    return BlockProfile(forward, tuple(options), peaks is not None)
+
+
+def _transient(none_entry: list) -> int:
+    """Uncalibrated backward working set: the no-remat residuals, rebuilt during the backward."""
+    return none_entry[1]
+
+
+def _calibration(raw: list, spec: CallSpec, n_module: int, calibrate: bool):
+    """Ask the compiler for each option's own peak and the no-remat kept bytes.
+
+    Returns `(peaks, saved_none)`, or `(None, None)` when not calibrating. `peaks[j]` is the
+    compiled temp bytes of the block's gradient alone under option `j`; `saved_none` comes
+    from a chain of two copies of the block (when its output can feed its first argument).
+    """
+    if not calibrate:
+        return None, None
+    jobs = [(grad_step(entry[6], spec), spec.dynamic) for entry in raw]
+    chain_at = _chainable(raw[0][6], spec, n_module)
+    if chain_at is not None:
+        jobs.append(_chain_job(raw[0][6], spec, n_module, chain_at))
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers) as pool:
+        temps = [t for t, _ in pool.map(lambda job: compiled_temp(*job), jobs)]
+    peaks = temps[: len(raw)]
+    saved_none = None
+    if chain_at is not None:
+        saved_none = max(temps[-1] - peaks[0], 0)
+    return peaks, saved_none
+
+
+def _chain_job(f: Callable, spec: CallSpec, n_module: int, chain_at: int):
+    """Gradient step of two copies of the block in a row, each with its own parameters."""
+    n = len(spec.dynamic)
+    avals = spec.dynamic + spec.dynamic[:n_module]
+    diff_idx = [i for i, d in enumerate(avals) if _is_float(d)]
+
+    def loss(leaves):
+        first = leaves[:n]
+        second = list(leaves[n:]) + list(first[n_module:])
+        second[chain_at] = f(*first)
+        return _loss(f(*second))
+
+    def step(*leaves):
+        def of_diff(d):
+            full = list(leaves)
+            for i, x in zip(diff_idx, d):
+                full[i] = x
+            return loss(full)
+
+        return jax.grad(of_diff)([leaves[i] for i in diff_idx])
+
+    return step, avals

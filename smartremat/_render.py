@@ -1,0 +1,78 @@
+"""`str(plan)`: a table a person reads at a glance in a terminal."""
+
+from __future__ import annotations
+
+from ._plan import MB, Plan, PlanBlock
+
+
+def _group(blocks: tuple[PlanBlock, ...]) -> list[tuple[str, PlanBlock, int]]:
+    """Consecutive identical blocks (same type, policy, figures) as `path[a:b]  Type xN`."""
+    out: list[tuple[str, PlanBlock, int]] = []
+    i = 0
+    while i < len(blocks):
+        j = i + 1
+        while j < len(blocks) and _same(blocks[i], blocks[j]):
+            j += 1
+        label = blocks[i].path if j == i + 1 else _range_label(blocks[i].path, blocks[j - 1].path, j - i)
+        out.append((label, blocks[i], j - i))
+        i = j
+    return out
+
+
+def _same(a: PlanBlock, b: PlanBlock) -> bool:
+    return (a.type, a.policy, a.options, a.calls) == (b.type, b.policy, b.options, b.calls)
+
+
+def _range_label(first: str, last: str, n: int) -> str:
+    if first.endswith("]") and "[" in first and first.rsplit("[", 1)[0] == last.rsplit("[", 1)[0]:
+        base = first.rsplit("[", 1)[0]
+        a, b = first.rsplit("[", 1)[1][:-1], last.rsplit("[", 1)[1][:-1]
+        if a.isdigit() and b.isdigit():
+            return f"{base}[{a}:{int(b) + 1}]"
+    return f"{first} .. {last}"
+
+
+def render(plan: Plan) -> str:
+    names = []
+    for b in plan.blocks:
+        for o in b.options:
+            if o.name not in names:
+                names.append(o.name)
+    short = {n: _short(n) for n in names}
+    head = ["block", "type", "calls", "policy"] + [f"MB {short[n]}" for n in names] + ["recompute GFLOP"]
+    rows = []
+    for label, b, n in _group(plan.blocks):
+        cells = [label, b.type + (f" x{n}" if n > 1 else ""), str(b.calls), b.policy]
+        by_name = {o.name: o for o in b.options}
+        for name in names:
+            o = by_name.get(name) or next((x for x in b.options if name in x.merged), None)
+            mark = "*" if o is not None and o is b.chosen else " "
+            cells.append("-" if o is None else f"{o.saved_bytes * b.calls / MB:.2f}{mark}")
+        cells.append(f"{b.chosen.recompute_flops * b.calls * n / 1e9:.3f}")
+        rows.append(cells)
+    return "\n".join([_table(head, rows), "", *_totals(plan)])
+
+
+def _short(name: str) -> str:
+    return {"dots_saveable": "dots", "dots_with_no_batch_dims_saveable": "dots_nb",
+            "nothing_saveable": "full"}.get(name, name)
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([fmt(head), "  ".join("-" * w for w in widths), *map(fmt, rows)])
+
+
+def _totals(plan: Plan) -> list[str]:
+    overhead = 100 * plan.recompute_flops / plan.forward_flops if plan.forward_flops else 0.0
+    lines = [
+        f"predicted peak  {plan.predicted_peak_bytes / MB:10.2f} MB   budget {plan.budget_bytes / MB:.2f} MB"
+        + ("" if plan.compiled_peak_bytes is None
+           else f"   compiled {plan.compiled_peak_bytes / MB:.2f} MB"),
+        f"no remat        {plan.no_remat_peak_bytes / MB:10.2f} MB   full remat {plan.full_remat_peak_bytes / MB:.2f} MB"
+        f"   lowest reachable {plan.min_peak_bytes / MB:.2f} MB",
+        f"recompute       {plan.recompute_flops / 1e9:10.3f} GFLOP ({overhead:.1f}% of the forward)",
+        f"planned in      {plan.planning_seconds:10.2f} s on {plan.backend}   (* = chosen; MB kept for the backward)",
+    ]
+    return lines + [f"note: {n}" for n in plan.notes]

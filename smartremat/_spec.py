@@ -1,0 +1,127 @@
+"""Abstract call signatures: what a block or module is called with, as a hashable value."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _jax_private
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def _hashable(x: Any) -> Any:
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        return ("<unhashable>", type(x).__name__, id(x))
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """An abstract call `fn(module, *args, **kwargs)`, possibly under one `jax.vmap`.
+
+    Array leaves are held as `jax.ShapeDtypeStruct` of the *whole* batch (batch axis first);
+    everything else is static. Equal specs mean the same compiled program, so specs key caches.
+    """
+
+    treedef: Any
+    dynamic: tuple[jax.ShapeDtypeStruct, ...]
+    static: tuple[tuple[int, Any], ...]
+    in_axes: tuple[int | None, ...]
+    axis_size: int | None
+
+    def key(self) -> tuple:
+        dyn = tuple((d.shape, str(d.dtype)) for d in self.dynamic)
+        stat = tuple((i, _hashable(v)) for i, v in self.static)
+        return (self.treedef, dyn, stat, self.in_axes, self.axis_size)
+
+    def rebuild(self, dynamic: tuple) -> tuple:
+        leaves: list[Any] = [None] * (len(self.dynamic) + len(self.static))
+        stat = dict(self.static)
+        it = iter(dynamic)
+        for i in range(len(leaves)):
+            leaves[i] = stat[i] if i in stat else next(it)
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def function(self, fn: Callable, wrap: Callable | None = None) -> Callable:
+        """`f(*dynamic)` that calls `fn(module, *args, **kwargs)`, vmapped as recorded.
+
+        `wrap`, if given, wraps the per-example function (e.g. in `jax.checkpoint`) before
+        the vmap, exactly as the decorated module's forward does under the user's vmap.
+        """
+
+        def per_example(*dynamic):
+            module, args, kwargs = self.rebuild(dynamic)
+            return fn(module, *args, **kwargs)
+
+        f = wrap(per_example) if wrap is not None else per_example
+        if self.axis_size is not None:
+            f = jax.vmap(f, in_axes=self.in_axes, axis_size=self.axis_size)
+        return f
+
+    def nbytes(self, which: Callable[[int], bool] = lambda i: True) -> int:
+        from ._cost import aval_bytes
+
+        return sum(aval_bytes(d) for i, d in enumerate(self.dynamic) if which(i))
+
+
+def make_spec(module: Any, args: tuple, kwargs: dict, *, top_level: bool = True) -> CallSpec:
+    """Record the abstract signature of `module(*args, **kwargs)` as seen right now.
+
+    Leaves that are `BatchTracer`s of one `jax.vmap` are recorded with their whole batch.
+    """
+    leaves, treedef = jax.tree.flatten((module, tuple(args), dict(kwargs)))
+    dynamic, static, in_axes = [], [], []
+    size, trace = None, None
+    for i, leaf in enumerate(leaves):
+        if not (_is_array(leaf) or isinstance(leaf, jax.core.Tracer)):
+            static.append((i, leaf))
+            continue
+        batch = _jax_private.batch_axis(leaf)
+        aval = jax.typeof(leaf) if not isinstance(leaf, jax.ShapeDtypeStruct) else leaf
+        if batch is None:
+            dynamic.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+            in_axes.append(None)
+            continue
+        bsize, _, btrace = batch
+        if trace is not None and btrace is not trace:
+            raise NotImplementedError(_NESTED_VMAP)
+        if _jax_private.is_batched(_jax_private.inner_value(leaf)):
+            raise NotImplementedError(_NESTED_VMAP)
+        size, trace = bsize, btrace
+        dynamic.append(jax.ShapeDtypeStruct((bsize, *aval.shape), aval.dtype))
+        in_axes.append(0)
+    return CallSpec(treedef, tuple(dynamic), tuple(static), tuple(in_axes), size)
+
+
+def vmapped_spec(module: Any, args: tuple, kwargs: dict) -> CallSpec:
+    """The spec the decorator records for `jax.vmap(module)(*args, **kwargs)` (axis 0 of
+    every array in `args`/`kwargs` is the batch, the module is not batched)."""
+    base = make_spec(module, args, kwargs)
+    n_module = jax.tree_util.treedef_children(base.treedef)[0].num_leaves
+    static = {i for i, _ in base.static}
+    dyn_leaf = [i for i in range(len(base.dynamic) + len(base.static)) if i not in static]
+    in_axes = tuple(None if leaf < n_module else 0 for leaf in dyn_leaf)
+    sizes = {d.shape[0] for d, ax in zip(base.dynamic, in_axes) if ax == 0 and d.shape}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"`explain(..., vmap=True)` needs every array argument to share its leading (batch) "
+            f"axis; got leading sizes {sorted(sizes)}. Pass the batched inputs you would give "
+            "to `jax.vmap(model)`."
+        )
+    return CallSpec(base.treedef, base.dynamic, base.static, in_axes, sizes.pop())
+
+
+_NESTED_VMAP = (
+    "smartremat plans under at most one `jax.vmap` around the decorated module, and this call "
+    "is under two (or two different ones). Apply `jax.vmap` once over the batch (reshape "
+    "the extra axes into it), or call the module without nested vmaps."
+)

@@ -1,0 +1,106 @@
+"""Small Equinox models shared by the tests."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+
+class TutorialBlock(eqx.Module):
+    """The tutorial block `x -> gelu(x @ W1) @ W2`, as one Module holding only arrays."""
+
+    w1: jax.Array
+    w2: jax.Array
+
+    def __init__(self, d: int, hidden: int, key: jax.Array):
+        k1, k2 = jax.random.split(key)
+        self.w1 = jax.random.normal(k1, (d, hidden)) / d**0.5
+        self.w2 = jax.random.normal(k2, (hidden, d)) / hidden**0.5
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.nn.gelu(x @ self.w1) @ self.w2
+
+
+class Residual(eqx.Module):
+    block: TutorialBlock
+
+    def __call__(self, x):
+        return x + self.block(x)
+
+
+class MLPStack(eqx.Module):
+    layers: list
+
+    def __init__(self, n: int, d: int, hidden: int, key: jax.Array):
+        self.layers = [Residual(TutorialBlock(d, hidden, k)) for k in jax.random.split(key, n)]
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Attention(eqx.Module):
+    wqkv: jax.Array
+    wo: jax.Array
+    heads: int = eqx.field(static=True)
+
+    def __init__(self, d: int, heads: int, key: jax.Array):
+        k1, k2 = jax.random.split(key)
+        self.wqkv = jax.random.normal(k1, (d, 3 * d)) / d**0.5
+        self.wo = jax.random.normal(k2, (d, d)) / d**0.5
+        self.heads = heads
+
+    def __call__(self, x):  # x: (B, T, D)
+        b, t, d = x.shape
+        q, k, v = jnp.split(x @ self.wqkv, 3, axis=-1)
+        split = lambda a: a.reshape(b, t, self.heads, d // self.heads).transpose(0, 2, 1, 3)
+        q, k, v = split(q), split(k), split(v)
+        s = jnp.einsum("bhtd,bhsd->bhts", q, k) / (d // self.heads) ** 0.5
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+        o = jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, axis=-1), v)
+        return o.transpose(0, 2, 1, 3).reshape(b, t, d) @ self.wo
+
+
+class MLP(eqx.Module):
+    w1: jax.Array
+    w2: jax.Array
+
+    def __init__(self, d: int, key: jax.Array):
+        k1, k2 = jax.random.split(key)
+        self.w1 = jax.random.normal(k1, (d, 4 * d)) / d**0.5
+        self.w2 = jax.random.normal(k2, (4 * d, d)) / (4 * d) ** 0.5
+
+    def __call__(self, x):
+        return jax.nn.gelu(x @ self.w1) @ self.w2
+
+
+def layer_norm(x, eps=1e-5):
+    m = jnp.mean(x, -1, keepdims=True)
+    return (x - m) * jax.lax.rsqrt(jnp.var(x, -1, keepdims=True) + eps)
+
+
+class Layer(eqx.Module):
+    attn: Attention
+    mlp: MLP
+
+    def __init__(self, d: int, heads: int, key: jax.Array):
+        k1, k2 = jax.random.split(key)
+        self.attn, self.mlp = Attention(d, heads, k1), MLP(d, k2)
+
+    def __call__(self, x):
+        x = x + self.attn(layer_norm(x))
+        return x + self.mlp(layer_norm(x))
+
+
+class Transformer(eqx.Module):
+    layers: list
+
+    def __init__(self, n: int, d: int, heads: int, key: jax.Array):
+        self.layers = [Layer(d, heads, k) for k in jax.random.split(key, n)]
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return layer_norm(x)

@@ -1,0 +1,54 @@
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import smartremat
+from smartremat import smartremat as sr
+
+from models import TutorialBlock
+
+
+class Branchy(eqx.Module):
+    """Calls its sub-modules out of field order, one of them twice, and holds a dict."""
+
+    seq: eqx.nn.Sequential
+    named: dict
+    last: eqx.nn.Linear
+    unused: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 5)
+        self.seq = eqx.nn.Sequential([eqx.nn.Linear(8, 8, key=k[0]), eqx.nn.Lambda(jax.nn.relu),
+                                      eqx.nn.Linear(8, 8, key=k[1])])
+        self.named = {"a": eqx.nn.Linear(8, 8, key=k[2])}
+        self.last = eqx.nn.Linear(8, 8, key=k[3])
+        self.unused = eqx.nn.Linear(8, 8, key=k[4])
+
+    def __call__(self, x):
+        x = self.named["a"](x)
+        x = self.seq(x)
+        return self.last(self.named["a"](x))
+
+
+def test_blocks_found_in_call_order_through_containers():
+    plan = smartremat.explain(Branchy(jax.random.key(0)), jnp.ones(8), budget_mb=1)
+    assert [b.path for b in plan.blocks] == ["named['a']", "seq.layers[0]", "seq.layers[1]", "seq.layers[2]", "last"]
+    assert [b.calls for b in plan.blocks] == [2, 1, 1, 1, 1]
+    assert plan.blocks[1].type == "Linear" and plan.blocks[2].type == "Lambda"
+
+
+def test_blocks_argument_names_them():
+    m = Branchy(jax.random.key(0))
+    wrapped = sr(budget_mb=1, blocks=lambda m: [m.last, m.seq])(m)
+    plan = smartremat.explain(wrapped, jnp.ones(8))
+    assert [b.path for b in plan.blocks] == ["seq", "last"]  # as named, in call order
+    wrapped = sr(budget_mb=1, blocks=lambda m: m.seq)(m)  # a Sequential alone: its layers
+    assert [b.path for b in smartremat.explain(wrapped, jnp.ones(8)).blocks] == [
+        "seq.layers[0]", "seq.layers[1]", "seq.layers[2]"]
+
+
+def test_array_only_module_is_its_own_block():
+    plan = smartremat.explain(TutorialBlock(16, 64, jax.random.key(0)), jnp.ones((4, 16)), budget_mb=1)
+    (block,) = plan.blocks
+    assert block.path == "<self>" and len(block.options) >= 2
