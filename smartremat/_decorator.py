@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -145,8 +144,3 @@ def config_of(model: Any) -> tuple[_planner.Config, Callable, Any] | None:
     if found is not None:
         return found[0], found[1], model
     return None
-
-
-def warn_cpu() -> None:
-    if _planner.cpu_barrier_missing():
-        warnings.warn("smartremat: " + _planner.CPU_NOTE + ".", stacklevel=3)

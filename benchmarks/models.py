@@ -1,0 +1,123 @@
+"""Equinox models for the demo and the benchmarks."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+
+class TutorialBlock(eqx.Module):
+    """The tutorial block `x -> gelu(x @ W1) @ W2`, one Module holding only arrays."""
+
+    w1: Float[Array, "d h"]
+    w2: Float[Array, "h d"]
+
+    def __init__(self, d: int, hidden: int, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        self.w1 = jax.random.normal(k1, (d, hidden)) / d**0.5
+        self.w2 = jax.random.normal(k2, (hidden, d)) / hidden**0.5
+
+    def __call__(self, x: Float[Array, "b d"]) -> Float[Array, "b d"]:
+        return jax.nn.gelu(x @ self.w1) @ self.w2
+
+
+class ResidualBlock(eqx.Module):
+    block: TutorialBlock
+
+    def __call__(self, x: Float[Array, "b d"]) -> Float[Array, "b d"]:
+        return x + self.block(x)
+
+
+class TutorialStack(eqx.Module):
+    """A residual stack of tutorial blocks."""
+
+    layers: list[ResidualBlock]
+
+    def __init__(self, n: int, d: int, hidden: int, key: PRNGKeyArray):
+        self.layers = [ResidualBlock(TutorialBlock(d, hidden, k)) for k in jax.random.split(key, n)]
+
+    def __call__(self, x: Float[Array, "b d"]) -> Float[Array, "b d"]:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _layer_norm(ln: eqx.nn.LayerNorm, x: Float[Array, "b t d"]) -> Float[Array, "b t d"]:
+    return jax.vmap(jax.vmap(ln))(x)
+
+
+class CausalSelfAttention(eqx.Module):
+    qkv: eqx.nn.Linear
+    out: eqx.nn.Linear
+    heads: int = eqx.field(static=True)
+
+    def __init__(self, d: int, heads: int, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        self.qkv = eqx.nn.Linear(d, 3 * d, use_bias=False, key=k1)
+        self.out = eqx.nn.Linear(d, d, use_bias=False, key=k2)
+        self.heads = heads
+
+    def __call__(self, x: Float[Array, "b t d"]) -> Float[Array, "b t d"]:
+        b, t, d = x.shape
+        q, k, v = jnp.split(x @ self.qkv.weight.T, 3, axis=-1)
+        split = lambda a: a.reshape(b, t, self.heads, d // self.heads).transpose(0, 2, 1, 3)
+        q, k, v = split(q), split(k), split(v)
+        scores = jnp.einsum("bhtd,bhsd->bhts", q, k) / (d // self.heads) ** 0.5
+        scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e9)
+        o = jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(scores, axis=-1), v)
+        return o.transpose(0, 2, 1, 3).reshape(b, t, d) @ self.out.weight.T
+
+
+class GPTBlock(eqx.Module):
+    """Pre-LayerNorm decoder block: causal multi-head attention and a 4x GELU MLP."""
+
+    ln1: eqx.nn.LayerNorm
+    attn: CausalSelfAttention
+    ln2: eqx.nn.LayerNorm
+    fc: eqx.nn.Linear
+    proj: eqx.nn.Linear
+
+    def __init__(self, d: int, heads: int, key: PRNGKeyArray):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.ln1, self.ln2 = eqx.nn.LayerNorm(d), eqx.nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(d, heads, k1)
+        self.fc = eqx.nn.Linear(d, 4 * d, key=k2)
+        self.proj = eqx.nn.Linear(4 * d, d, key=k3)
+
+    def __call__(self, x: Float[Array, "b t d"]) -> Float[Array, "b t d"]:
+        x = x + self.attn(_layer_norm(self.ln1, x))
+        h = jax.nn.gelu(_layer_norm(self.ln2, x) @ self.fc.weight.T + self.fc.bias)
+        return x + h @ self.proj.weight.T + self.proj.bias
+
+
+class GPT(eqx.Module):
+    """Decoder-only transformer: token and position embeddings, blocks, final norm, head."""
+
+    embed: Float[Array, "v d"]
+    pos: Float[Array, "t d"]
+    blocks: list[GPTBlock]
+    ln_f: eqx.nn.LayerNorm
+    head: Float[Array, "d v"]
+
+    def __init__(self, layers: int, d: int, heads: int, seq: int, vocab: int, key: PRNGKeyArray):
+        ks = jax.random.split(key, layers + 3)
+        self.embed = jax.random.normal(ks[0], (vocab, d)) * 0.02
+        self.pos = jax.random.normal(ks[1], (seq, d)) * 0.02
+        self.blocks = [GPTBlock(d, heads, k) for k in ks[3:]]
+        self.ln_f = eqx.nn.LayerNorm(d)
+        self.head = jax.random.normal(ks[2], (d, vocab)) * 0.02
+
+    def __call__(self, tokens: Int[Array, "b t"]) -> Float[Array, "b t v"]:
+        x = self.embed[tokens] + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return _layer_norm(self.ln_f, x) @ self.head
+
+
+def gpt_loss(model: GPT, tokens: Int[Array, "b t"]) -> Float[Array, ""]:
+    """Next-token cross-entropy."""
+    logits = model(tokens[:, :-1])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
