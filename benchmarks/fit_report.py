@@ -63,6 +63,9 @@ def models():
         "tutorial_stack": (TutorialStack(4, 512, 8192, key), jnp.ones((64, 512)), lambda m: m.layers),
         "transformer": (Stack([GPTBlock(256, 4, k) for k in jax.random.split(key, 4)]),
                         jnp.ones((8, 256, 256)), lambda m: m.blocks),
+        # design.md's GPU reference model: 4 layers, B=8, T=512, D=1024, 16 heads
+        "transformer_large": (Stack([GPTBlock(1024, 16, k) for k in jax.random.split(key, 4)]),
+                              jnp.ones((8, 512, 1024)), lambda m: m.blocks),
     }
 
 
@@ -124,15 +127,19 @@ def main() -> None:
     ap.add_argument("--models", nargs="*", default=["tutorial", "tutorial_stack", "transformer"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, XLA_FLAGS={os.environ['XLA_FLAGS']!r}")
+    print(f"jax {jax.__version__}, backend {jax.default_backend()} ({jax.devices()[0].device_kind}), "
+          f"XLA_FLAGS={os.environ['XLA_FLAGS']!r}", flush=True)
     out = []
     for name in args.models:
         model, x, where = models()[name]
+        t0 = time.perf_counter()
         out.append(report(name, model, x, where))
         show(out[-1])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"jax": jax.__version__, "backend": jax.default_backend(), "results": out}, f, indent=1)
+        print(f"({name}: {time.perf_counter() - t0:.1f} s)", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"jax": jax.__version__, "backend": jax.default_backend(),
+                           "device": jax.devices()[0].device_kind, "results": out}, f, indent=1)
 
 
 if __name__ == "__main__":

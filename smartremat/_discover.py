@@ -156,10 +156,11 @@ def discover(
     """
     candidates = named_blocks(module, blocks) if blocks is not None else child_modules(module)
     recorder = _Recorder()
-    probes = [_Probe(m, i, recorder) for i, (_, m) in enumerate(candidates)]
+    paths = [p for p, _ in candidates]
 
-    def probed(m, *args, **kwargs):
-        return call(replace_at(m, [p for p, _ in candidates], probes), *args, **kwargs)
+    def probed(m, *args, **kwargs):  # probes wrap the traced sub-modules, not the originals
+        probes = [_Probe(get_at(m, p), i, recorder) for i, p in enumerate(paths)]
+        return call(replace_at(m, paths, probes), *args, **kwargs)
 
     jax.eval_shape(spec.function(probed), *spec.dynamic)
     unplannable = {i for i, s in recorder.calls if s is None}
