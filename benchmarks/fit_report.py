@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=cse_barrier_expander").strip()
+import shutil
+
+# design.md fact 1: on the CPU, remat needs this flag set before JAX starts. Only on the CPU:
+# XLA:GPU needs the pass (without it, compiling fails with "Unsupported instruction opcode:
+# opt-barrier", seen on an H200 with jax 0.11.2).
+if shutil.which("nvidia-smi") is None:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=cse_barrier_expander").strip()
 
 import argparse
 import json
@@ -128,7 +134,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     print(f"jax {jax.__version__}, backend {jax.default_backend()} ({jax.devices()[0].device_kind}), "
-          f"XLA_FLAGS={os.environ['XLA_FLAGS']!r}", flush=True)
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     out = []
     for name in args.models:
         model, x, where = models()[name]

@@ -113,6 +113,8 @@ def eqn_cost(eqn) -> Cost:
         flops = sum(_size(v.aval) for v in eqn.invars if hasattr(v, "aval"))
     elif name in _FREE:
         flops, nbytes = 0, 0
+    elif name in _MOVEMENT:
+        flops = 0
     else:
         flops = sum(_size(v.aval) for v in eqn.outvars)
     return Cost(int(flops), int(nbytes))
@@ -122,6 +124,13 @@ def eqn_cost(eqn) -> Cost:
 _FREE = frozenset(
     {"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "convert_element_type",
      "stop_gradient", "optimization_barrier", "copy", "copy_p", "pjit", "name"}
+)
+
+
+# Equations that move data but do no arithmetic.
+_MOVEMENT = frozenset(
+    {"slice", "dynamic_slice", "dynamic_update_slice", "concatenate", "transpose", "gather",
+     "pad", "rev", "iota", "split", "select_and_gather_add"}
 )
 
 

@@ -32,6 +32,8 @@ class Stage:
     def __post_init__(self):
         if not (len(self.saved) == len(self.peak) == len(self.cost) > 0):
             raise ValueError("a Stage needs the same number (>0) of saved, peak and cost entries")
+        if min(self.cost) < 0:
+            raise ValueError(f"Stage costs are recompute FLOPs and must be >= 0, got {self.cost}")
 
 
 def peak_of(stages: Sequence[Stage], choice: Sequence[int], offset: int = 0) -> int:

@@ -54,7 +54,8 @@ def _only(st: Stage, o: int) -> Stage:
         st.cost, st.group)
 
 
-def _solve_free(stages: Sequence[Stage], limit: int) -> Solution | None:
+def _solve_free(stages: Sequence[Stage], limit: int, cap: int | None = None) -> Solution | None:
+    """DP over (kept bytes, cost); with `cap`, states costing more are dropped (costs are >= 0)."""
     kept = np.zeros(1, np.int64)
     cost = np.zeros(1, np.int64)
     back: list[tuple[np.ndarray, np.ndarray]] = []
@@ -62,7 +63,10 @@ def _solve_free(stages: Sequence[Stage], limit: int) -> Solution | None:
         m = len(st.saved)
         cand_k, cand_c, par, opt = [], [], [], []
         for o in range(m):
-            ok = np.nonzero(kept + st.peak[o] <= limit)[0]
+            feasible = kept + st.peak[o] <= limit
+            if cap is not None:
+                feasible &= cost + st.cost[o] <= cap
+            ok = np.nonzero(feasible)[0]
             cand_k.append(kept[ok] + st.saved[o])
             cand_c.append(cost[ok] + st.cost[o])
             par.append(ok)
@@ -107,7 +111,7 @@ def _lowest_peak_at_cost(stages: Sequence[Stage], sol: Solution) -> Solution:
     lo, hi, best = 0, sol.peak, sol
     while lo < hi:
         mid = (lo + hi) // 2
-        s = _solve_free(stages, mid)
+        s = _solve_free(stages, mid, cap=sol.cost)
         if s is not None and s.cost <= sol.cost:
             best, hi = s, min(mid, s.peak)
         else:

@@ -104,3 +104,23 @@ class Transformer(eqx.Module):
         for layer in self.layers:
             x = layer(x)
         return layer_norm(x)
+
+
+class GPT(eqx.Module):
+    """Token embedding, transformer layers, and a vocabulary head."""
+
+    embed: jax.Array
+    layers: list
+    head: jax.Array
+
+    def __init__(self, n: int, d: int, heads: int, seq: int, vocab: int, key: jax.Array):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = jax.random.normal(k1, (vocab, d)) * 0.02
+        self.layers = [Layer(d, heads, k) for k in jax.random.split(k2, n)]
+        self.head = jax.random.normal(k3, (d, vocab)) * 0.02
+
+    def __call__(self, tokens):
+        x = self.embed[tokens]
+        for layer in self.layers:
+            x = layer(x)
+        return layer_norm(x) @ self.head

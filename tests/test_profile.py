@@ -1,0 +1,71 @@
+"""Profiling: abstract, merged policies, FLOP counts, the policy menu, the CPU note."""
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import smartremat
+from smartremat import _cost, _planner
+from smartremat import smartremat as sr
+
+from models import Transformer, TutorialBlock
+
+cp = jax.checkpoint_policies
+
+
+def test_flop_count_of_matmul_and_scan():
+    a, b = jnp.ones((8, 16)), jnp.ones((16, 32))
+    assert _cost.function_cost(lambda a, b: a @ b, a, b).flops == 2 * 8 * 16 * 32
+
+    def scanned(x):
+        return jax.lax.scan(lambda c, _: (c @ b[:, :16], None), x, None, length=5)[0]
+
+    assert _cost.function_cost(scanned, a).flops == 5 * 2 * 8 * 16 * 16  # body x trip count
+
+
+def test_dots_policies_merge_for_plain_matmuls_not_batched_ones():
+    # Plain 2-D `x @ W`: the two dots policies save the same residuals and are merged.
+    plan = smartremat.explain(sr(budget_mb=10, verify=False)(TutorialBlock(32, 128, jax.random.key(0))),
+                              jnp.ones((8, 32)))
+    (only,) = plan.blocks
+    assert [o.name for o in only.options] == ["none", "dots_saveable", "nothing_saveable"]
+    assert only.options[1].merged == ("dots_with_no_batch_dims_saveable",)
+    # Attention's einsums have batch dimensions: both dots policies stay, with different bytes.
+    plan = smartremat.explain(sr(budget_mb=10, verify=False)(Transformer(2, 32, 4, jax.random.key(0))),
+                              jnp.ones((2, 16, 32)))
+    names = {o.name: o for o in plan.blocks[0].options}
+    assert {"dots_saveable", "dots_with_no_batch_dims_saveable"} <= set(names)
+    assert names["dots_with_no_batch_dims_saveable"].saved_bytes < names["dots_saveable"].saved_bytes
+
+
+def test_policies_argument_restricts_the_menu():
+    model = Transformer(2, 32, 4, jax.random.key(0))
+    wrapped = sr(budget_mb=10, policies=[cp.nothing_saveable], verify=False)(model)
+    plan = smartremat.explain(wrapped, jnp.ones((2, 16, 32)))
+    assert all([o.name for o in b.options] == ["none", "nothing_saveable"] for b in plan.blocks)
+
+
+def test_saved_bytes_follow_the_batch():
+    model = TutorialBlock(32, 256, jax.random.key(0))
+    small = smartremat.explain(model, jnp.ones((4, 32)), budget_mb=10).blocks[0].options
+    large = smartremat.explain(model, jnp.ones((16, 32)), budget_mb=10).blocks[0].options
+    for s, l in zip(small, large):
+        if s.name != "none":  # jaxpr counts: exactly linear in the batch
+            assert l.saved_bytes == 4 * s.saved_bytes
+
+
+def test_profiling_is_abstract():
+    # A model that exists only as shapes can be planned: nothing is allocated.
+    model = eqx.filter_eval_shape(lambda: TutorialBlock(64, 256, jax.random.key(0)))
+    plan = smartremat.explain(model, jax.ShapeDtypeStruct((8, 64), jnp.float32), budget_mb=10)
+    assert plan.blocks[0].type == "TutorialBlock"
+
+
+def test_cpu_without_barrier_flag_warns_and_notes(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "")
+    with pytest.warns(UserWarning, match="cse_barrier_expander"):
+        plan = smartremat.explain(TutorialBlock(16, 64, jax.random.key(0)), jnp.ones((4, 16)), budget_mb=10)
+    assert any("remat outside loops saves nothing" in n for n in plan.notes)
