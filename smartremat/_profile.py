@@ -194,10 +194,11 @@ def _profile_uncached(spec: CallSpec, call: Callable, menu: tuple, calibrate: bo
         entry = [policy, internal, args, [], total - base, sig, f]
         seen.setdefault(sig, entry)
         raw.append(entry)
-    peaks, saved_none = _calibration(raw, spec, n_module, calibrate)
+    peaks, calibrated = _calibration(raw, spec, n_module, calibrate)
     options = []
     for j, (policy, internal, args, merged, recompute, sig, _) in enumerate(raw):
-        saved = saved_none if (policy is None and saved_none is not None) else internal + args
+        measured = calibrated[j] if calibrated is not None else None
+        saved = measured if measured is not None else internal + args
         peak = peaks[j] if peaks is not None else internal + args + _transient(raw[0])
         options.append(PolicyProfile(
             policy_name(policy), policy, int(saved), int(max(peak, saved)), int(internal + args),
@@ -212,30 +213,32 @@ def _transient(none_entry: list) -> int:
 
 
 def _calibration(raw: list, spec: CallSpec, n_module: int, calibrate: bool):
-    """Ask the compiler for each option's own peak and the no-remat kept bytes.
+    """Ask the compiler for each option's own peak and kept bytes.
 
-    Returns `(peaks, saved_none)`, or `(None, None)` when not calibrating. `peaks[j]` is the
-    compiled temp bytes of the block's gradient alone under option `j`; `saved_none` comes
-    from a chain of two copies of the block (when its output can feed its first argument).
+    Returns `(peaks, saved)`, or `(None, None)` when not calibrating. `peaks[j]` is the compiled
+    temp bytes of the block's gradient alone under option `j`. When the block's output can feed
+    its first argument, `saved[j]` comes from two copies in a row, the first under option `j`
+    and the second without remat: temp = saved[j] + peaks[none] whenever the second block's
+    backward is the peak (else `saved[j]` is None and the jaxpr count stands).
     """
     if not calibrate:
         return None, None
     jobs = [(grad_step(entry[6], spec), spec.dynamic) for entry in raw]
     chain_at = _chainable(raw[0][6], spec, n_module)
     if chain_at is not None:
-        jobs.append(_chain_job(raw[0][6], spec, n_module, chain_at))
+        jobs += [_chain_job(entry[6], raw[0][6], spec, n_module, chain_at) for entry in raw]
     workers = max(1, min(len(jobs), os.cpu_count() or 1))
     with ThreadPoolExecutor(workers) as pool:
         temps = [t for t, _ in pool.map(lambda job: compiled_temp(*job), jobs)]
     peaks = temps[: len(raw)]
-    saved_none = None
-    if chain_at is not None:
-        saved_none = max(temps[-1] - peaks[0], 0)
-    return peaks, saved_none
+    if chain_at is None:
+        return peaks, [None] * len(raw)
+    saved = [t - peaks[0] if t > peaks[j] else None for j, t in enumerate(temps[len(raw):])]
+    return peaks, saved
 
 
-def _chain_job(f: Callable, spec: CallSpec, n_module: int, chain_at: int):
-    """Gradient step of two copies of the block in a row, each with its own parameters."""
+def _chain_job(f: Callable, g: Callable, spec: CallSpec, n_module: int, chain_at: int):
+    """Gradient step of `f` then `g` (two copies of the block), each with its own parameters."""
     n = len(spec.dynamic)
     avals = spec.dynamic + spec.dynamic[:n_module]
     diff_idx = [i for i, d in enumerate(avals) if _is_float(d)]
@@ -244,7 +247,7 @@ def _chain_job(f: Callable, spec: CallSpec, n_module: int, chain_at: int):
         first = leaves[:n]
         second = list(leaves[n:]) + list(first[n_module:])
         second[chain_at] = f(*first)
-        return _loss(f(*second))
+        return _loss(g(*second))
 
     def step(*leaves):
         def of_diff(d):
