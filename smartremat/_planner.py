@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +15,7 @@ from typing import Any
 import jax
 
 from ._apply import call_module
+from ._cache import KeyedCache, environment_key
 from ._discover import BlockCall, discover, path_str
 from ._memory import Stage, cost_of, peak_of
 from ._plan import MB, Plan, PlanBlock, PolicyFigures
@@ -50,23 +50,13 @@ class Model:
     fixed_bytes: int
 
 
-_PLANS: dict[tuple, Plan] = {}
-_LOCK = threading.Lock()
-
-
-def plan_key(call: Callable, spec: CallSpec, config: Config) -> tuple:
-    return (call, spec.key(), config, jax.default_backend(), os.environ.get("XLA_FLAGS", ""))
+_PLANS: KeyedCache[Plan] = KeyedCache()
 
 
 def get_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Plan:
-    """The plan for this signature and config, made once (thread-safe cache)."""
-    key = plan_key(call, spec, config)
-    with _LOCK:
-        if key in _PLANS:
-            return _PLANS[key]
-    plan = make_plan(call, spec, module, config)
-    with _LOCK:
-        return _PLANS.setdefault(key, plan)
+    """The plan for this call, signature, config and environment, made once."""
+    key = (call, spec.key(), config, *environment_key())
+    return _PLANS.get(key, lambda: make_plan(call, spec, module, config))
 
 
 def _option_of(profile: BlockProfile, policy: Any):

@@ -7,7 +7,6 @@ calibrating, `jit(...).lower(ShapeDtypeStruct...).compile()`): no device memory 
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from ._cache import KeyedCache, environment_key
 from ._cost import Cost, aval_bytes, jaxpr_cost
 from ._policies import policy_name
 from ._spec import CallSpec
@@ -156,27 +156,14 @@ def _wrap(policy: Any) -> Callable | None:
     return lambda f: jax.checkpoint(f, policy=policy)
 
 
-_CACHE: dict[tuple, BlockProfile] = {}
-_LOCK = threading.Lock()
-
-
-def profile_key(spec: CallSpec, call: Callable, menu: tuple, calibrate: bool) -> tuple:
-    """Everything a profile depends on: signature, code, policy menu, backend, XLA flags."""
-    return (
-        spec.key(), call, tuple(menu), calibrate,
-        jax.default_backend(), os.environ.get("XLA_FLAGS", ""),
-    )
+_CACHE: KeyedCache[BlockProfile] = KeyedCache()
 
 
 def profile_block(spec: CallSpec, call: Callable, menu: tuple, calibrate: bool) -> BlockProfile:
-    """Profile `call(module, *args)` under every policy of `menu` (cached by `profile_key`)."""
-    key = profile_key(spec, call, menu, calibrate)
-    with _LOCK:
-        if key in _CACHE:
-            return _CACHE[key]
-    result = _profile_uncached(spec, call, menu, calibrate)
-    with _LOCK:
-        return _CACHE.setdefault(key, result)
+    """Profile `call(module, *args)` under every policy of `menu`, once per key: signature,
+    code, policy menu, calibration, backend and XLA flags."""
+    key = (spec.key(), call, tuple(menu), calibrate, *environment_key())
+    return _CACHE.get(key, lambda: _profile_uncached(spec, call, menu, calibrate))
 
 
 def _profile_uncached(spec: CallSpec, call: Callable, menu: tuple, calibrate: bool) -> BlockProfile:

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable
 from typing import Any
 
-import jax
-
+from ._cache import KeyedCache, environment_key
 from ._apply import Assignment, run
 from ._profile import compiled_temp, grad_step
 from ._spec import CallSpec
 
-_CACHE: dict[tuple, tuple[int, float]] = {}
-_LOCK = threading.Lock()
+_CACHE: KeyedCache[tuple[int, float]] = KeyedCache()
 
 
 def step_function(call: Callable, spec: CallSpec, assignment: Assignment) -> Callable:
@@ -29,14 +25,8 @@ def compiled_step(call: Callable, spec: CallSpec, assignment: Assignment) -> tup
     This is the ground truth the budget is held against (design.md: what the budget means).
     Cached by signature, assignment, backend and XLA flags.
     """
-    key = (spec.key(), call, _assignment_key(assignment), jax.default_backend(),
-           os.environ.get("XLA_FLAGS", ""))
-    with _LOCK:
-        if key in _CACHE:
-            return _CACHE[key]
-    result = compiled_temp(step_function(call, spec, assignment), spec)
-    with _LOCK:
-        return _CACHE.setdefault(key, result)
+    key = (spec.key(), call, _assignment_key(assignment), *environment_key())
+    return _CACHE.get(key, lambda: compiled_temp(step_function(call, spec, assignment), spec))
 
 
 def _assignment_key(assignment: Assignment) -> tuple:

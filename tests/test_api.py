@@ -1,9 +1,7 @@
 import json
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
-import pytest
 
 import smartremat
 from smartremat import MB, Plan, PlanBlock, PolicyFigures, SmartRemat, explain

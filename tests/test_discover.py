@@ -1,7 +1,6 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import pytest
 
 import smartremat
 from smartremat import smartremat as sr

@@ -1,6 +1,5 @@
 import math
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest

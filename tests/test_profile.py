@@ -1,6 +1,5 @@
 """Profiling: abstract, merged policies, FLOP counts, the policy menu, the CPU note."""
 
-import warnings
 
 import equinox as eqx
 import jax
@@ -8,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import smartremat
-from smartremat import _cost, _planner
+from smartremat import _cost
 from smartremat import smartremat as sr
 
 from models import Transformer, TutorialBlock
