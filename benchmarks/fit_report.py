@@ -10,22 +10,14 @@ uniform plan (one policy on every block) that fits; both for the compiler-verifi
 
 from __future__ import annotations
 
-import os
-
-import shutil
-
-# design.md fact 1: on the CPU, remat needs this flag set before JAX starts. Only on the CPU:
-# XLA:GPU needs the pass (without it, compiling fails with "Unsupported instruction opcode:
-# opt-barrier", seen on an H200 with jax 0.11.2).
-if shutil.which("nvidia-smi") is None:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=cse_barrier_expander").strip()
-
 import argparse
 import json
+import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import UNIFORM, figures, strategy  # sets the CPU flag before JAX starts
 
 import equinox as eqx
 import jax
@@ -35,9 +27,6 @@ import numpy as np
 import smartremat
 from benchmarks.models import GPTBlock, TutorialBlock, TutorialStack
 
-cp = jax.checkpoint_policies
-UNIFORM = {"none": None, "dots": cp.dots_saveable, "dots_nb": cp.dots_with_no_batch_dims_saveable,
-           "full": cp.nothing_saveable}
 MB = smartremat.MB
 
 
@@ -48,18 +37,6 @@ class Stack(eqx.Module):
         for b in self.blocks:
             x = b(x)
         return x
-
-
-def _call(m, *a):
-    return m(*a)
-
-
-class Ckpt(eqx.Module):
-    module: eqx.Module
-    policy: object = eqx.field(static=True)
-
-    def __call__(self, *a):
-        return eqx.filter_checkpoint(_call, policy=self.policy)(self.module, *a)
 
 
 def models():
@@ -75,22 +52,8 @@ def models():
     }
 
 
-def figures(model, x):
-    params, static = eqx.partition(model, eqx.is_array)
-    c = jax.jit(jax.grad(lambda p, a: jnp.sum(eqx.combine(p, static)(a)))).lower(params, x).compile()
-    return c.memory_analysis().temp_size_in_bytes, float(c.cost_analysis()["flops"])
-
-
-def uniform(model, policy, where):
-    if policy is None:
-        return model
-    if where is None:
-        return Ckpt(model, policy)
-    return eqx.tree_at(where, model, [Ckpt(b, policy) for b in where(model)])
-
-
 def report(name, model, x, where):
-    unif = {n: figures(uniform(model, p, where), x) for n, p in UNIFORM.items()}
+    unif = {n: figures(strategy(model, n, where), x) for n in UNIFORM}
     lo, hi = sorted((unif["none"][0], unif["full"][0]))
     rows = []
     for budget in np.linspace(hi, lo, 5):

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
 import time
 
-if shutil.which("nvidia-smi") is None:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=cse_barrier_expander").strip()
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import benchmarks.common  # noqa: F401  (sets the CPU flag before JAX starts)
 
 import equinox as eqx
 import jax

@@ -1,0 +1,96 @@
+"""Shared benchmark pieces: the CPU flag, hand-written fixed strategies, the compiler's figures.
+
+Import this module before JAX: it sets the CPU barrier flag (design.md fact 1) when no NVIDIA
+GPU is present. On a GPU it must not be set: XLA:GPU then fails to compile remat
+("Unsupported instruction opcode: opt-barrier", seen on an H200 with jax 0.11.2).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+CPU_FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
+if "jax" not in sys.modules and shutil.which("nvidia-smi") is None:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + CPU_FLAG).strip()
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+cp = jax.checkpoint_policies
+UNIFORM = {"none": None, "dots": cp.dots_saveable, "dots_nb": cp.dots_with_no_batch_dims_saveable,
+           "full": cp.nothing_saveable}
+
+
+def _call(m, *a):
+    return m(*a)
+
+
+class Ckpt(eqx.Module):
+    """A hand-placed `eqx.filter_checkpoint(policy)` around one module."""
+
+    module: Any
+    policy: Any = eqx.field(static=True)
+
+    def __call__(self, *a):
+        return eqx.filter_checkpoint(_call, policy=self.policy)(self.module, *a)
+
+
+class Segment(eqx.Module):
+    """Consecutive blocks run under one checkpoint (Chen et al.'s sqrt(n) segments)."""
+
+    blocks: list
+
+    def __call__(self, x):
+        def run(blocks, x):
+            for b in blocks:
+                x = b(x)
+            return x
+
+        return eqx.filter_checkpoint(run, policy=cp.nothing_saveable)(self.blocks, x)
+
+
+def strategy(model: Any, name: str, where: Callable | None) -> Any:
+    """`model` under a fixed strategy: none, full, dots, dots_nb, alternate or sqrt."""
+    if name == "none":
+        return model
+    if where is None:  # the module's own call is the only block
+        pol = UNIFORM.get(name, cp.nothing_saveable)
+        return Ckpt(model, pol) if name in UNIFORM else model
+    blocks = list(where(model))
+    if name in UNIFORM:
+        return eqx.tree_at(where, model, [Ckpt(b, UNIFORM[name]) for b in blocks])
+    if name == "alternate":
+        return eqx.tree_at(where, model, [Ckpt(b, cp.nothing_saveable) if i % 2 == 0 else b
+                                          for i, b in enumerate(blocks)])
+    if name == "sqrt":
+        k = max(1, round(math.sqrt(len(blocks))))
+        return eqx.tree_at(where, model, [Segment(blocks[i:i + k]) for i in range(0, len(blocks), k)])
+    raise ValueError(f"unknown strategy {name!r}")
+
+
+def loss_of(model: Any, x: Any) -> jax.Array:
+    return jnp.sum(model(x).astype(jnp.float32))
+
+
+def grad_step(model: Any, x: Any):
+    """`(jitted step, params)`: gradient of the summed output w.r.t. the model's arrays."""
+    params, static = eqx.partition(model, eqx.is_array)
+    step = jax.jit(jax.grad(lambda p, a: loss_of(eqx.combine(p, static), a)))
+    return step, params
+
+
+def figures(model: Any, x: Any) -> tuple[int, float]:
+    """Compiled temp bytes and FLOPs of the training step."""
+    step, params = grad_step(model, x)
+    c = step.lower(params, x).compile()
+    cost = c.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return c.memory_analysis().temp_size_in_bytes, float(cost["flops"])
