@@ -121,3 +121,44 @@ def gpt_loss(model: GPT, tokens: Int[Array, "b t"]) -> Float[Array, ""]:
     logits = model(tokens[:, :-1])
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+
+class ResBlock(eqx.Module):
+    """Two 3x3 convolutions with GroupNorm and a residual connection (channels first, batched)."""
+
+    conv1: eqx.nn.Conv2d
+    norm1: eqx.nn.GroupNorm
+    conv2: eqx.nn.Conv2d
+    norm2: eqx.nn.GroupNorm
+
+    def __init__(self, channels: int, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        self.conv1 = eqx.nn.Conv2d(channels, channels, 3, padding=1, key=k1)
+        self.conv2 = eqx.nn.Conv2d(channels, channels, 3, padding=1, key=k2)
+        self.norm1 = eqx.nn.GroupNorm(8, channels)
+        self.norm2 = eqx.nn.GroupNorm(8, channels)
+
+    def __call__(self, x: Float[Array, "b c h w"]) -> Float[Array, "b c h w"]:
+        h = jax.nn.relu(jax.vmap(self.norm1)(jax.vmap(self.conv1)(x)))
+        h = jax.vmap(self.norm2)(jax.vmap(self.conv2)(h))
+        return jax.nn.relu(x + h)
+
+
+class ResNet(eqx.Module):
+    """A residual network on 32x32x3 images: stem convolution, residual blocks, pooled head."""
+
+    stem: eqx.nn.Conv2d
+    blocks: list[ResBlock]
+    head: eqx.nn.Linear
+
+    def __init__(self, n: int, channels: int, classes: int, key: PRNGKeyArray):
+        ks = jax.random.split(key, n + 2)
+        self.stem = eqx.nn.Conv2d(3, channels, 3, padding=1, key=ks[0])
+        self.blocks = [ResBlock(channels, k) for k in ks[2:]]
+        self.head = eqx.nn.Linear(channels, classes, key=ks[1])
+
+    def __call__(self, x: Float[Array, "b 3 32 32"]) -> Float[Array, "b classes"]:
+        x = jax.vmap(self.stem)(x)
+        for block in self.blocks:
+            x = block(x)
+        return jax.vmap(self.head)(jnp.mean(x, axis=(2, 3)))

@@ -1,0 +1,308 @@
+"""smartremat against every fixed remat strategy, measured by the compiler and the clock.
+
+    python benchmarks/run.py [--quick] [--models tutorial gpt resnet] [--strategies ...]
+                             [--budgets N] [--repeat N] [--out DIR]
+
+For each model: every fixed strategy (no remat, full remat of every block, uniform
+`dots_saveable`, uniform `dots_with_no_batch_dims_saveable`, full remat of every other block,
+Chen's sqrt(n) segments) is compiled and timed once; then smartremat is planned, compiled and
+timed at N budgets spread from full remat's compiled temp bytes to no remat's (plus the budget
+halfway between them). A fixed strategy "fits" a budget when its compiled temp bytes are <= it.
+On the CPU the script sets XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander itself,
+before JAX starts (design.md fact 1), and says so.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import figures, grad_step, strategy  # sets the CPU flag before JAX
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import smartremat
+from benchmarks import models as M
+
+MB = smartremat.MB
+FIXED = ["none", "full", "dots", "dots_nb", "alternate", "sqrt"]
+
+
+@dataclass
+class Case:
+    name: str
+    label: str
+    model: Any
+    x: Any
+    where: Callable | None
+
+
+def build(name: str, size: str) -> Case:
+    key = jax.random.key(0)
+    if name == "tutorial":
+        n, b, d, h = {"tiny": (3, 8, 32, 128)}.get(size, (8, 64, 512, 8192))
+        return Case(name, f"tutorial block stack of {n} (batch {b}, {d} -> {h} -> {d})",
+                    M.TutorialStack(n, d, h, key), jax.random.normal(key, (b, d)), lambda m: m.layers)
+    if name == "gpt":
+        n, d, heads, t, b, v = {"quick": (4, 256, 4, 256, 8, 1024), "gpt2-small": (12, 768, 12, 1024, 8, 50257),
+                                "tiny": (2, 32, 2, 16, 2, 64)}[size]
+        return Case(name, f"GPT {n} layers, d={d}, {heads} heads, T={t}, batch {b}, vocab {v}",
+                    M.GPT(n, d, heads, t, v, key), jax.random.randint(key, (b, t), 0, v), lambda m: m.blocks)
+    if name == "resnet":
+        n, c, b = {"tiny": (2, 8, 2)}.get(size, (8, 16, 16))
+        return Case(name, f"ResNet {n} residual blocks, {c} channels, GroupNorm, batch {b} of 32x32x3",
+                    M.ResNet(n, c, 10, key), jax.random.normal(key, (b, 3, 32, 32)), lambda m: m.blocks)
+    raise SystemExit(f"unknown model {name!r}: choose from tutorial, gpt, resnet")
+
+
+class Progress:
+    """One live line on a terminal; plain lines otherwise."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+        self.tty = sys.stdout.isatty()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        line = f"[{self.done}/{self.total} {time.perf_counter() - self.t0:6.1f} s] {what}"
+        print(("\r" + line.ljust(100)) if self.tty else line, end="" if self.tty else "\n", flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(flush=True)
+
+
+def time_step(model: Any, x: Any, repeat: int) -> tuple[float, list]:
+    """Median seconds of the jitted gradient step over `repeat` runs after two warm-ups."""
+    step, params = grad_step(model, x)
+    grads = jax.block_until_ready(step(params, x))
+    jax.block_until_ready(step(params, x))
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        jax.block_until_ready(step(params, x))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), jax.tree.leaves(grads)
+
+
+def rel_diff(got: list, want: list) -> float:
+    """Max over leaves of max|got - want| / max|want|."""
+    out = 0.0
+    for a, b in zip(got, want, strict=True):
+        scale = float(jnp.max(jnp.abs(b))) or 1.0
+        out = max(out, float(jnp.max(jnp.abs(a - b))) / scale)
+    return out
+
+
+def measure_fixed(case: Case, names: list[str], repeat: int, progress: Progress) -> dict:
+    out, ref = {}, None
+    for name in ["none"] + [n for n in names if n != "none"]:
+        model = strategy(case.model, name, case.where)
+        temp, flops = figures(model, case.x)
+        seconds, grads = time_step(model, case.x, repeat)
+        ref = grads if ref is None else ref
+        out[name] = {"temp_mb": temp / MB, "gflops": flops / 1e9, "step_s": seconds,
+                     "grad_rel_diff": rel_diff(grads, ref), "_grads": grads}
+        progress.step(f"{case.name}: {name:9s} {temp / MB:9.2f} MB {seconds * 1e3:8.1f} ms")
+    return out
+
+
+def measure_smart(case: Case, budgets: list[float], repeat: int, ref: list, progress: Progress) -> list:
+    rows, timed = [], {}
+    for budget in budgets:
+        wrapped = smartremat.smartremat(budget_mb=budget / MB)(case.model)
+        t0 = time.perf_counter()
+        plan = smartremat.explain(wrapped, case.x)
+        planning = time.perf_counter() - t0
+        temp, flops = figures(wrapped, case.x)
+        key = tuple(plan.policies.items())
+        if key not in timed:
+            timed[key] = time_step(wrapped, case.x, repeat)
+        seconds, grads = timed[key]
+        rows.append({"budget_mb": budget / MB, "predicted_mb": plan.predicted_peak_bytes / MB,
+                     "temp_mb": temp / MB, "fits": temp <= plan.budget_bytes, "gflops": flops / 1e9,
+                     "step_s": seconds, "grad_rel_diff": rel_diff(grads, ref), "planning_s": planning,
+                     "policies": plan.policies})
+        progress.step(f"{case.name}: smartremat @ {budget / MB:9.2f} MB -> {temp / MB:9.2f} MB {seconds * 1e3:8.1f} ms")
+    return rows
+
+
+def headlines(fixed: dict, smart: list, half_mb: float) -> dict:
+    """The five headline figures of one model."""
+    speed = []
+    for r in smart:
+        fitting = [f["step_s"] for f in fixed.values() if f["temp_mb"] <= r["budget_mb"]]
+        speed.append(r["step_s"] / min(fitting) if fitting else None)
+    half = min(smart, key=lambda r: abs(r["budget_mb"] - half_mb))
+    t_full, t_none = fixed["full"]["step_s"], fixed["none"]["step_s"]
+    recovered = (t_full - half["step_s"]) / (t_full - t_none) if t_full != t_none else None
+    return {
+        "fit_share": sum(r["fits"] for r in smart) / len(smart),
+        "speed_vs_best_fitting_fixed": speed,
+        "speed_worst": max((s for s in speed if s is not None), default=None),
+        "overhead_recovered_at_half": recovered,
+        "half_budget_mb": half["budget_mb"],
+        "tightness": [r["temp_mb"] / r["budget_mb"] for r in smart],
+        "model_error": [abs(r["predicted_mb"] - r["temp_mb"]) / r["temp_mb"] for r in smart],
+    }
+
+
+def show(case: Case, fixed: dict, smart: list, head: dict) -> str:
+    lines = [f"\n== {case.name}: {case.label} ==",
+             f"{'strategy':>10} {'temp MB':>10} {'GFLOP':>9} {'step ms':>9} {'grad rel diff':>14}"]
+    for name, f in fixed.items():
+        lines.append(f"{name:>10} {f['temp_mb']:10.2f} {f['gflops']:9.3f} {f['step_s'] * 1e3:9.1f} {f['grad_rel_diff']:14.2e}")
+    lines.append(f"{'budget MB':>10} {'predicted':>10} {'compiled':>9} {'fits':>5} {'GFLOP':>9} {'step ms':>9} "
+                 f"{'/best fixed':>11} {'grad diff':>10} {'plan s':>7}")
+    for r, s in zip(smart, head["speed_vs_best_fitting_fixed"]):
+        lines.append(f"{r['budget_mb']:10.2f} {r['predicted_mb']:10.2f} {r['temp_mb']:9.2f} {str(r['fits']):>5} "
+                     f"{r['gflops']:9.3f} {r['step_s'] * 1e3:9.1f} {'-' if s is None else f'{s:.3f}':>11} "
+                     f"{r['grad_rel_diff']:10.1e} {r['planning_s']:7.2f}")
+    rec = head["overhead_recovered_at_half"]
+    lines += [
+        f"fit: {head['fit_share']:.0%} of budgets; speed vs fastest fitting fixed: worst "
+        f"{head['speed_worst'] if head['speed_worst'] is None else round(head['speed_worst'], 3)}; "
+        f"overhead recovered at {head['half_budget_mb']:.2f} MB: {'-' if rec is None else f'{rec:.2f}'}",
+        f"tightness (compiled/budget): {min(head['tightness']):.3f}..{max(head['tightness']):.3f}; "
+        f"model error |pred-compiled|/compiled: median {statistics.median(head['model_error']):.3f}, "
+        f"max {max(head['model_error']):.3f}",
+    ]
+    return "\n".join(lines)
+
+
+def plot(case: Case, fixed: dict, smart: list, path: pathlib.Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping plots (pip install 'smartremat[bench]')")
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, f in fixed.items():
+        ax.scatter(f["temp_mb"], f["step_s"] * 1e3, zorder=3)
+        ax.annotate(name, (f["temp_mb"], f["step_s"] * 1e3), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    pts = sorted((r["temp_mb"], r["step_s"] * 1e3) for r in smart)
+    ax.plot(*zip(*pts), "k.-", label="smartremat (budget sweep)", zorder=2)
+    ax.set_xlabel("compiled peak activation memory (temp MB)")
+    ax.set_ylabel("step time (ms, median)")
+    ax.set_title(case.label, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def tutorial_printout(repeat: int) -> str:
+    """The tutorial's own comparison: standard vs checkpointed gradient of one block."""
+    key = jax.random.key(0)
+    block = M.TutorialBlock(512, 8192, key)
+    x = jax.random.normal(key, (64, 512))
+    loss = lambda b, x: jnp.mean(b(x) ** 2)
+    ckpt = lambda b, x: jnp.mean(jax.checkpoint(lambda b, x: b(x))(b, x) ** 2)
+    out = []
+    for name, fn in (("standard", loss), ("checkpointed", ckpt)):
+        step = jax.jit(jax.value_and_grad(fn))
+        jax.block_until_ready(step(block, x))
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            value, grads = jax.block_until_ready(step(block, x))
+            times.append(time.perf_counter() - t0)
+        out.append((name, float(value), statistics.median(times), grads))
+    (_, _, _, g0), (_, _, _, g1) = out
+    lines = [f"{n:>12} gradient: loss {v:.6f}, {t * 1e3:.2f} ms" for n, v, t, _ in out]
+    lines.append(f"max |dW1 difference| = {float(jnp.max(jnp.abs(g0.w1 - g1.w1))):.3e}, "
+                 f"max |dW2 difference| = {float(jnp.max(jnp.abs(g0.w2 - g1.w2))):.3e}")
+    return "\n".join(lines)
+
+
+def run_model(case: Case, names: list[str], n_budgets: int, repeat: int, out: pathlib.Path) -> dict:
+    progress = Progress(len(names) + n_budgets + 1)
+    fixed = measure_fixed(case, names if "full" in names else names + ["full"], repeat, progress)
+    lo, hi = sorted((fixed["full"]["temp_mb"], fixed["none"]["temp_mb"]))
+    half = (lo + hi) / 2
+    budgets = sorted(set(np.linspace(hi, lo, n_budgets).tolist()) | {half}, reverse=True)
+    progress.total = len(fixed) + len(budgets)
+    smart = measure_smart(case, [b * MB for b in budgets], repeat, fixed["none"].pop("_grads"), progress)
+    progress.close()
+    for f in fixed.values():
+        f.pop("_grads", None)
+    head = headlines(fixed, smart, half)
+    result = {"model": case.name, "label": case.label, "fixed": fixed, "smartremat": smart, "headlines": head,
+              "env": environment()}
+    (out / f"{case.name}.json").write_text(json.dumps(result, indent=1))
+    plot(case, fixed, smart, out / f"{case.name}.png")
+    print(show(case, fixed, smart, head), flush=True)
+    return result
+
+
+def environment() -> dict:
+    return {"jax": jax.__version__, "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
+def markdown(results: list[dict], tutorial: str | None) -> str:
+    env = results[0]["env"] if results else environment()
+    lines = [f"# smartremat benchmark\n", f"jax {env['jax']} on {env['device']} ({env['machine']}); "
+             f"XLA_FLAGS=`{env['xla_flags']}`\n"]
+    if tutorial:
+        lines += ["## Tutorial block\n", "```", tutorial, "```\n"]
+    lines += ["## Headlines\n", "| model | fit | worst speed vs fastest fitting fixed | overhead recovered at half | "
+              "tightness | median model error |", "|---|---|---|---|---|---|"]
+    for r in results:
+        h = r["headlines"]
+        rec = h["overhead_recovered_at_half"]
+        lines.append(f"| {r['model']} | {h['fit_share']:.0%} | {h['speed_worst'] if h['speed_worst'] is None else round(h['speed_worst'], 3)} | "
+                     f"{'-' if rec is None else round(rec, 2)} | {min(h['tightness']):.2f}..{max(h['tightness']):.2f} | "
+                     f"{statistics.median(h['model_error']):.3f} |")
+    for r in results:
+        lines += [f"\n## {r['model']}: {r['label']}\n", f"![{r['model']}]({r['model']}.png)\n", "```",
+                  show(Case(r["model"], r["label"], None, None, None), r["fixed"], r["smartremat"], r["headlines"]).strip(),
+                  "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes that finish in minutes on a CPU")
+    ap.add_argument("--size", default=None, help="model size: tiny, quick (default with --quick) or full")
+    ap.add_argument("--models", nargs="+", default=["tutorial", "gpt", "resnet"])
+    ap.add_argument("--strategies", nargs="+", default=FIXED, choices=FIXED)
+    ap.add_argument("--budgets", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--out", default="results")
+    args = ap.parse_args(argv)
+    size = args.size or ("quick" if args.quick else "gpt2-small")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    print(f"jax {env['jax']} on {env['device']} ({env['machine']}); XLA_FLAGS={env['xla_flags']!r}"
+          + (" (set by this script: on the CPU remat needs it, design.md fact 1)" if env["backend"] == "cpu" else ""))
+    tutorial = None
+    if "tutorial" in args.models and size != "tiny":
+        tutorial = tutorial_printout(args.repeat)
+        print("\n" + tutorial, flush=True)
+    results = [run_model(build(m, "gpt2-small" if (m == "gpt" and size == "full") else size), args.strategies,
+                         args.budgets, args.repeat, out) for m in args.models]
+    (out / "summary.md").write_text(markdown(results, tutorial))
+    print(f"\nwrote {out}/summary.md and {', '.join(m + '.json' for m in args.models)}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

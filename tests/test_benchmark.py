@@ -1,0 +1,43 @@
+"""The benchmark's machinery end to end on a tiny configuration (fields and fit, not timings)."""
+
+import json
+import sys
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    sys.modules.pop("benchmarks.run", None)
+    from benchmarks import run
+
+    out = tmp_path_factory.mktemp("bench")
+    run.main(["--size", "tiny", "--models", "tutorial", "--budgets", "3", "--repeat", "2", "--out", str(out)])
+    return out
+
+
+def test_json_fields_and_fit(results):
+    data = json.loads((results / "tutorial.json").read_text())
+    assert set(data["fixed"]) == {"none", "full", "dots", "dots_nb", "alternate", "sqrt"}
+    for f in data["fixed"].values():
+        assert {"temp_mb", "gflops", "step_s", "grad_rel_diff"} <= set(f)
+        assert f["grad_rel_diff"] < 1e-5
+    rows = data["smartremat"]
+    assert len(rows) >= 3
+    for r in rows:
+        assert {"budget_mb", "predicted_mb", "temp_mb", "fits", "gflops", "step_s", "grad_rel_diff",
+                "planning_s", "policies"} <= set(r)
+        assert r["temp_mb"] <= r["budget_mb"] * (1 + 1e-9) and r["fits"]
+        assert r["grad_rel_diff"] < 1e-5
+    budgets = [r["budget_mb"] for r in rows]
+    assert max(budgets) == pytest.approx(max(data["fixed"]["none"]["temp_mb"], data["fixed"]["full"]["temp_mb"]))
+    head = data["headlines"]
+    assert head["fit_share"] == 1.0
+    assert len(head["tightness"]) == len(rows) and all(t <= 1 + 1e-9 for t in head["tightness"])
+    assert {"speed_vs_best_fitting_fixed", "overhead_recovered_at_half", "model_error", "env"} - set(head) == {"env"}
+    assert data["env"]["jax"]
+
+
+def test_summary_written(results):
+    text = (results / "summary.md").read_text()
+    assert "| tutorial | 100% |" in text and "## tutorial" in text
