@@ -87,10 +87,15 @@ def grad_step(model: Any, x: Any):
     return step, params
 
 
-def figures(model: Any, x: Any) -> tuple[int, float]:
-    """Compiled temp bytes and FLOPs of the training step."""
+def compile_step(model: Any, x: Any):
+    """`(compiled step, params, temp bytes, FLOPs)` of the training step, compiled once."""
     step, params = grad_step(model, x)
     c = step.lower(params, x).compile()
     cost = c.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return c.memory_analysis().temp_size_in_bytes, float(cost["flops"])
+    return c, params, c.memory_analysis().temp_size_in_bytes, float(cost["flops"])
+
+
+def figures(model: Any, x: Any) -> tuple[int, float]:
+    """Compiled temp bytes and FLOPs of the training step."""
+    return compile_step(model, x)[2:]

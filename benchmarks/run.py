@@ -18,7 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import figures, grad_step, strategy  # sets the CPU flag before JAX
+from benchmarks.common import compile_step, strategy  # sets the CPU flag before JAX
 
 import argparse
 import json
@@ -84,17 +84,32 @@ class Progress:
             print(flush=True)
 
 
-def time_step(model: Any, x: Any, repeat: int) -> tuple[float, list]:
-    """Median seconds of the jitted gradient step over `repeat` runs after two warm-ups."""
-    step, params = grad_step(model, x)
-    grads = jax.block_until_ready(step(params, x))
-    jax.block_until_ready(step(params, x))
-    times = []
-    for _ in range(repeat):
+class Timer:
+    """A compiled gradient step, warmed up (its gradients kept for the correctness check)."""
+
+    def __init__(self, model: Any, x: Any):
+        self.step, self.params, self.temp, self.flops = compile_step(model, x)
+        self.x = x
+        self.grads = jax.tree.leaves(jax.block_until_ready(self.step(self.params, x)))
+        jax.block_until_ready(self.step(self.params, x))
+        self.times: list[float] = []
+
+    def once(self) -> None:
         t0 = time.perf_counter()
-        jax.block_until_ready(step(params, x))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), jax.tree.leaves(grads)
+        jax.block_until_ready(self.step(self.params, self.x))
+        self.times.append(time.perf_counter() - t0)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+
+def time_all(timers: list[Timer], repeat: int) -> None:
+    """`repeat` rounds, each running every step once: drift (allocator state, heat, other
+    load) then falls on every strategy alike instead of on whichever ran last."""
+    for _ in range(repeat):
+        for t in timers:
+            t.once()
 
 
 def rel_diff(got: list, want: list) -> float:
@@ -106,37 +121,35 @@ def rel_diff(got: list, want: list) -> float:
     return out
 
 
-def measure_fixed(case: Case, names: list[str], repeat: int, progress: Progress) -> dict:
-    out, ref = {}, None
+def measure_fixed(case: Case, names: list[str], progress: Progress) -> tuple[dict, dict]:
+    out, timers, ref = {}, {}, None
     for name in ["none"] + [n for n in names if n != "none"]:
-        model = strategy(case.model, name, case.where)
-        temp, flops = figures(model, case.x)
-        seconds, grads = time_step(model, case.x, repeat)
-        ref = grads if ref is None else ref
-        out[name] = {"temp_mb": temp / MB, "gflops": flops / 1e9, "step_s": seconds,
-                     "grad_rel_diff": rel_diff(grads, ref), "_grads": grads}
-        progress.step(f"{case.name}: {name:9s} {temp / MB:9.2f} MB {seconds * 1e3:8.1f} ms")
-    return out
+        timers[name] = Timer(strategy(case.model, name, case.where), case.x)
+        temp, flops = timers[name].temp, timers[name].flops
+        ref = timers[name].grads if ref is None else ref
+        out[name] = {"temp_mb": temp / MB, "gflops": flops / 1e9,
+                     "grad_rel_diff": rel_diff(timers[name].grads, ref)}
+        progress.step(f"{case.name}: {name:9s} {temp / MB:9.2f} MB compiled")
+    return out, timers
 
 
-def measure_smart(case: Case, budgets: list[float], repeat: int, ref: list, progress: Progress) -> list:
-    rows, timed = [], {}
+def measure_smart(case: Case, budgets: list[float], ref: list, progress: Progress) -> tuple[list, dict]:
+    rows, timers = [], {}
     for budget in budgets:
         wrapped = smartremat.smartremat(budget_mb=budget / MB)(case.model)
         t0 = time.perf_counter()
         plan = smartremat.explain(wrapped, case.x)
         planning = time.perf_counter() - t0
-        temp, flops = figures(wrapped, case.x)
         key = tuple(plan.policies.items())
-        if key not in timed:
-            timed[key] = time_step(wrapped, case.x, repeat)
-        seconds, grads = timed[key]
+        if key not in timers:  # the same policies compile to the same program at any budget
+            timers[key] = Timer(wrapped, case.x)
+        temp, flops = timers[key].temp, timers[key].flops
         rows.append({"budget_mb": budget / MB, "predicted_mb": plan.predicted_peak_bytes / MB,
                      "temp_mb": temp / MB, "fits": temp <= plan.budget_bytes, "gflops": flops / 1e9,
-                     "step_s": seconds, "grad_rel_diff": rel_diff(grads, ref), "planning_s": planning,
-                     "policies": plan.policies})
-        progress.step(f"{case.name}: smartremat @ {budget / MB:9.2f} MB -> {temp / MB:9.2f} MB {seconds * 1e3:8.1f} ms")
-    return rows
+                     "grad_rel_diff": rel_diff(timers[key].grads, ref), "planning_s": planning,
+                     "policies": plan.policies, "_key": key})
+        progress.step(f"{case.name}: smartremat @ {budget / MB:9.2f} MB -> {temp / MB:9.2f} MB")
+    return rows, timers
 
 
 def headlines(fixed: dict, smart: list, half_mb: float) -> dict:
@@ -217,7 +230,7 @@ def tutorial_printout(repeat: int) -> str:
     out = []
     for name, fn in (("standard", loss), ("checkpointed", ckpt)):
         step = jax.jit(jax.value_and_grad(fn))
-        jax.block_until_ready(step(block, x))
+        jax.block_until_ready(step(block, x))  # warm-up (compile)
         times = []
         for _ in range(repeat):
             t0 = time.perf_counter()
@@ -232,16 +245,20 @@ def tutorial_printout(repeat: int) -> str:
 
 
 def run_model(case: Case, names: list[str], n_budgets: int, repeat: int, out: pathlib.Path) -> dict:
-    progress = Progress(len(names) + n_budgets + 1)
-    fixed = measure_fixed(case, names if "full" in names else names + ["full"], repeat, progress)
+    progress = Progress(len(names) + n_budgets + 2)
+    fixed, fixed_timers = measure_fixed(case, names if "full" in names else names + ["full"], progress)
     lo, hi = sorted((fixed["full"]["temp_mb"], fixed["none"]["temp_mb"]))
     half = (lo + hi) / 2
     budgets = sorted(set(np.linspace(hi, lo, n_budgets).tolist()) | {half}, reverse=True)
-    progress.total = len(fixed) + len(budgets)
-    smart = measure_smart(case, [b * MB for b in budgets], repeat, fixed["none"].pop("_grads"), progress)
+    progress.total = len(fixed) + len(budgets) + 1
+    smart, smart_timers = measure_smart(case, [b * MB for b in budgets], fixed_timers["none"].grads, progress)
+    time_all(list(fixed_timers.values()) + list(smart_timers.values()), repeat)
+    progress.step(f"{case.name}: timed {len(fixed_timers) + len(smart_timers)} steps x {repeat} rounds")
     progress.close()
-    for f in fixed.values():
-        f.pop("_grads", None)
+    for name, f in fixed.items():
+        f["step_s"] = fixed_timers[name].median
+    for r in smart:
+        r["step_s"] = smart_timers[r.pop("_key")].median
     head = headlines(fixed, smart, half)
     result = {"model": case.name, "label": case.label, "fixed": fixed, "smartremat": smart, "headlines": head,
               "env": environment()}
@@ -258,7 +275,7 @@ def environment() -> dict:
 
 def markdown(results: list[dict], tutorial: str | None) -> str:
     env = results[0]["env"] if results else environment()
-    lines = [f"# smartremat benchmark\n", f"jax {env['jax']} on {env['device']} ({env['machine']}); "
+    lines = ["# smartremat benchmark\n", f"jax {env['jax']} on {env['device']} ({env['machine']}); "
              f"XLA_FLAGS=`{env['xla_flags']}`\n"]
     if tutorial:
         lines += ["## Tutorial block\n", "```", tutorial, "```\n"]

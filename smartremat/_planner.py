@@ -123,7 +123,7 @@ def make_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Pl
 _MAX_FRONTIER_STAGES = 64
 
 
-_MAX_CANDIDATES = 24
+_MAX_CANDIDATES = 16
 
 
 def _verified(call, spec, model: Model, config: Config, sol: Solution, lowest: Solution):
