@@ -55,6 +55,10 @@ def build(name: str, size: str) -> Case:
         n, b, d, h = {"tiny": (3, 8, 32, 128)}.get(size, (8, 64, 512, 8192))
         return Case(name, f"tutorial block stack of {n} (batch {b}, {d} -> {h} -> {d})",
                     M.TutorialStack(n, d, h, key), jax.random.normal(key, (b, d)), lambda m: m.layers)
+    if name == "tutorial_block":
+        b, d, h = {"tiny": (8, 32, 128)}.get(size, (64, 512, 8192))
+        return Case(name, f"tutorial block alone (batch {b}, {d} -> {h} -> {d}; its own call is the block)",
+                    M.TutorialBlock(d, h, key), jax.random.normal(key, (b, d)), None)
     if name == "gpt":
         n, d, heads, t, b, v = {"quick": (4, 256, 4, 256, 8, 1024), "gpt2-small": (12, 768, 12, 1024, 8, 50257),
                                 "tiny": (2, 32, 2, 16, 2, 64)}[size]
@@ -64,7 +68,7 @@ def build(name: str, size: str) -> Case:
         n, c, b = {"tiny": (2, 8, 2)}.get(size, (8, 16, 16))
         return Case(name, f"ResNet {n} residual blocks, {c} channels, GroupNorm, batch {b} of 32x32x3",
                     M.ResNet(n, c, 10, key), jax.random.normal(key, (b, 3, 32, 32)), lambda m: m.blocks)
-    raise SystemExit(f"unknown model {name!r}: choose from tutorial, gpt, resnet")
+    raise SystemExit(f"unknown model {name!r}: choose from tutorial, tutorial_block, gpt, resnet")
 
 
 class Progress:
@@ -245,6 +249,8 @@ def tutorial_printout(repeat: int) -> str:
 
 
 def run_model(case: Case, names: list[str], n_budgets: int, repeat: int, out: pathlib.Path) -> dict:
+    if case.where is None:  # one block: alternate and sqrt segments are no remat and full remat again
+        names = [n for n in names if n not in ("alternate", "sqrt")]
     progress = Progress(len(names) + n_budgets + 2)
     fixed, fixed_timers = measure_fixed(case, names if "full" in names else names + ["full"], progress)
     lo, hi = sorted((fixed["full"]["temp_mb"], fixed["none"]["temp_mb"]))
@@ -298,7 +304,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes that finish in minutes on a CPU")
     ap.add_argument("--size", default=None, help="model size: tiny, quick (default with --quick) or full")
-    ap.add_argument("--models", nargs="+", default=["tutorial", "gpt", "resnet"])
+    ap.add_argument("--models", nargs="+", default=["tutorial_block", "tutorial", "gpt", "resnet"])
     ap.add_argument("--strategies", nargs="+", default=FIXED, choices=FIXED)
     ap.add_argument("--budgets", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=10)
@@ -311,7 +317,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"jax {env['jax']} on {env['device']} ({env['machine']}); XLA_FLAGS={env['xla_flags']!r}"
           + (" (set by this script: on the CPU remat needs it, design.md fact 1)" if env["backend"] == "cpu" else ""))
     tutorial = None
-    if "tutorial" in args.models and size != "tiny":
+    if {"tutorial", "tutorial_block"} & set(args.models) and size != "tiny":
         tutorial = tutorial_printout(args.repeat)
         print("\n" + tutorial, flush=True)
     results = [run_model(build(m, "gpt2-small" if (m == "gpt" and size == "full") else size), args.strategies,
