@@ -71,6 +71,7 @@ class Plan:
     notes: tuple[str, ...] = ()
     assignment: Any = field(default=(), compare=False, repr=False)
     stages: Any = field(default=(), compare=False, repr=False)
+    menu: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def to_dict(self) -> dict:
         """A JSON-serialisable dict (MB are 2**20 bytes)."""
@@ -90,6 +91,39 @@ class Plan:
             "notes": list(self.notes),
             "blocks": [b.to_dict() for b in self.blocks],
         }
+
+    def frontier(self) -> list[tuple[float, int]]:
+        """The exact memory/recompute Pareto frontier over all budgets, by smartremat's model.
+
+        **Returns:**
+
+        `(peak_mb, recompute_flops)` pairs sorted by peak: each is an optimal plan's predicted
+        figures, computed by the same solver that chose this plan. A budget between two peaks
+        buys the recompute of the lower one.
+        """
+        from ._solve import frontier
+
+        return [((s.peak + self.fixed_bytes) / MB, s.cost) for s in frontier(self.stages)]
+
+    def uniform(self) -> dict[str, tuple[float, int]]:
+        """`{policy name: (predicted peak_mb, recompute_flops)}` of each policy on every block."""
+        from ._memory import cost_of, peak_of
+
+        out = {}
+        n = len(self.stages)
+        for i, name in enumerate(self.menu):
+            choice = (i,) * n
+            out[name] = ((peak_of(self.stages, choice) + self.fixed_bytes) / MB, cost_of(self.stages, choice))
+        return out
+
+    def plot(self, path: str) -> None:
+        """Draw the frontier, this plan, the budget line and the uniform plans to `path` (PNG, SVG, ...).
+
+        Needs matplotlib (`pip install matplotlib`).
+        """
+        from ._render import plot
+
+        plot(self, path)
 
     @property
     def policies(self) -> dict[str, str]:

@@ -116,8 +116,15 @@ def make_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Pl
     plan = _assemble(model, config, sol, lowest, compiled, time.perf_counter() - t0)
     if cpu_barrier_missing():
         warnings.warn("smartremat: " + CPU_NOTE + ".", stacklevel=2)
-    logger.info("smartremat planned %s:\n%s", type(module).__name__, plan)
+    _log(f"smartremat planned {type(module).__name__}:\n{plan}")
     return plan
+
+
+def _log(message: str) -> None:
+    """INFO on the `smartremat` logger; with SMARTREMAT_LOG=1 printed even without logging set up."""
+    if os.environ.get("SMARTREMAT_LOG", "") not in ("", "0") and not logger.isEnabledFor(logging.INFO):
+        print(message, flush=True)
+    logger.info(message)
 
 
 _MAX_FRONTIER_STAGES = 64
@@ -209,6 +216,7 @@ def _assemble(model: Model, config: Config, sol: Solution, lowest: Solution, com
         notes=tuple(_notes(model, sol)),
         assignment=assignment_of(model, config.policies, sol.choice),
         stages=stages,
+        menu=tuple(policy_name(p) for p in config.policies),
     )
 
 

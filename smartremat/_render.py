@@ -76,3 +76,31 @@ def _totals(plan: Plan) -> list[str]:
         f"planned in      {plan.planning_seconds:10.2f} s on {plan.backend}   (* = chosen; MB kept for the backward)",
     ]
     return lines + [f"note: {n}" for n in plan.notes]
+
+
+def plot(plan: Plan, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError(
+            f"`Plan.plot({path!r})` needs matplotlib, which is not installed. Install it with "
+            "`pip install matplotlib` (or `pip install 'smartremat[bench]'`), or read the figures "
+            "from `plan.frontier()` instead."
+        ) from e
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    pts = plan.frontier()
+    ax.step([p for p, _ in pts], [c / 1e9 for _, c in pts], "k.-", where="post", label="frontier (optimal plans)")
+    for name, (peak, cost) in plan.uniform().items():
+        ax.scatter(peak, cost / 1e9, marker="s", zorder=3)
+        ax.annotate(_short(name), (peak, cost / 1e9), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.scatter(plan.predicted_peak_bytes / MB, plan.recompute_flops / 1e9, s=80, c="red", zorder=4, label="this plan")
+    ax.axvline(plan.budget_bytes / MB, color="red", ls="--", lw=1, label="budget")
+    ax.set_xlabel("predicted peak (MB)")
+    ax.set_ylabel("recompute (GFLOP)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,102 @@
+"""explain's table, the frontier (exact against brute force), plot, and SMARTREMAT_LOG."""
+
+import itertools
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import smartremat
+from smartremat import MB
+from smartremat import smartremat as sr
+from smartremat._memory import cost_of, peak_of
+
+from models import MLPStack, Transformer
+
+
+@pytest.fixture(scope="module")
+def plan():
+    model = Transformer(3, 32, 4, jax.random.key(0))
+    return smartremat.explain(sr(budget_mb=0.5, verify=False)(model), jnp.ones((2, 32, 32)))
+
+
+def test_frontier_is_exact_against_brute_force(plan):
+    stages = plan.stages
+    every = {(peak_of(stages, c), cost_of(stages, c))
+             for c in itertools.product(*[range(len(s.saved)) for s in stages])}
+    pareto = sorted((p, c) for p, c in every if not any(q <= p and d <= c and (q, d) != (p, c) for q, d in every))
+    assert plan.frontier() == [((p + plan.fixed_bytes) / MB, c) for p, c in pareto]
+    peaks = [p for p, _ in plan.frontier()]
+    costs = [c for _, c in plan.frontier()]
+    assert peaks == sorted(peaks) and costs == sorted(costs, reverse=True)
+    # the chosen plan is the frontier point at the budget
+    best = [(p, c) for p, c in plan.frontier() if p * MB <= plan.budget_bytes][-1]
+    assert plan.recompute_flops == best[1]
+
+
+def _rows(text):
+    """`{block path: row cells}` from the table, expanding grouped rows like `layers[0:2]`."""
+    lines = text.splitlines()
+    rows = {}
+    for line in lines[2:]:
+        if not line.strip():
+            break
+        cells = line.split()
+        label = cells[0]
+        m = re.fullmatch(r"(.*)\[(\d+):(\d+)\]", label)
+        paths = [f"{m.group(1)}[{i}]" for i in range(int(m.group(2)), int(m.group(3)))] if m else [label]
+        for p in paths:
+            rows[p] = cells
+    return rows
+
+
+def test_table_content(plan):
+    text = str(plan)
+    header = text.splitlines()[0].split()
+    assert header[:4] == ["block", "type", "calls", "policy"] and header[-2:] == ["recompute", "GFLOP"]
+    rows = _rows(text)
+    assert set(rows) == {b.path for b in plan.blocks}
+    for block in plan.blocks:
+        cells = rows[block.path]
+        assert cells[1] == block.type
+        assert block.policy in cells
+        marked = [c for c in cells if c.endswith("*")]
+        assert marked == [f"{block.chosen.saved_bytes * block.calls / MB:.2f}*"]
+    assert f"{plan.predicted_peak_bytes / MB:.2f} MB   budget {plan.budget_bytes / MB:.2f} MB" in text
+    assert f"{plan.no_remat_peak_bytes / MB:.2f} MB   full remat {plan.full_remat_peak_bytes / MB:.2f} MB" in text
+    overhead = 100 * plan.recompute_flops / plan.forward_flops
+    assert f"{plan.recompute_flops / 1e9:.3f} GFLOP ({overhead:.1f}% of the forward)" in text
+    assert f"{plan.planning_seconds:.2f} s on {plan.backend}" in text
+
+
+def test_identical_consecutive_blocks_are_grouped():
+    model = MLPStack(6, 32, 64, jax.random.key(0))
+    plan = smartremat.explain(sr(budget_mb=100, verify=False)(model), jnp.ones((4, 32)))
+    assert set(plan.policies.values()) == {"none"}
+    assert re.search(r"^layers\[0:6\]\s+Residual x6", str(plan), flags=re.M)
+
+
+def test_plot_writes_a_figure(plan, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "frontier.png"
+    plan.plot(str(path))
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_without_matplotlib_says_what_to_do(plan, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"`Plan.plot\(.*\)` needs matplotlib, which is not installed\. Install it"):
+        plan.plot(str(tmp_path / "x.png"))
+
+
+def test_smartremat_log_prints_each_new_plan(monkeypatch, capsys):
+    monkeypatch.setenv("SMARTREMAT_LOG", "1")
+    model = MLPStack(2, 16, 32, jax.random.key(1))
+    wrapped = sr(budget_mb=7.5, verify=False)(model)
+    wrapped(jnp.ones((3, 16)))
+    out = capsys.readouterr().out
+    assert "smartremat planned MLPStack" in out and "budget 7.50 MB" in out
+    wrapped(jnp.ones((3, 16)))  # cached: no new plan, nothing printed
+    assert "smartremat planned" not in capsys.readouterr().out
