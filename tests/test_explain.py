@@ -100,3 +100,25 @@ def test_smartremat_log_prints_each_new_plan(monkeypatch, capsys):
     assert "smartremat planned MLPStack" in out and "budget 7.50 MB" in out
     wrapped(jnp.ones((3, 16)))  # cached: no new plan, nothing printed
     assert "smartremat planned" not in capsys.readouterr().out
+
+
+def test_logging_at_info_shows_the_plan(caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="smartremat")
+    model = MLPStack(2, 16, 32, jax.random.key(2))
+    sr(budget_mb=6.5, verify=False)(model)(jnp.ones((3, 16)))
+    assert any("smartremat planned MLPStack" in r.getMessage() and "budget 6.50 MB" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_worked_example_in_docs_holds():
+    # docs/how-it-works.md: three blocks, no remat keeps 10 MB, full remat 1 MB, each needs 20 MB.
+    from smartremat._memory import Stage
+    from smartremat._solve import solve
+
+    stages = [Stage(saved=(10, 1), peak=(20, 20), cost=(0, 7), group=i) for i in range(3)]
+    assert peak_of(stages, (0, 0, 0)) == 40
+    assert peak_of(stages, (1, 0, 0)) == 31 and peak_of(stages, (0, 0, 1)) == 40
+    assert solve(stages, 32).choice == (1, 0, 0)
+    assert solve(stages, 22).choice == (1, 1, 0) and solve(stages, 22).peak == 22
