@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -127,6 +128,31 @@ class BlockCall:
     spec: CallSpec
 
 
+_PROBE_SCOPE = "smartremat_probe_"
+_LOOPS = ("scan", "while")
+
+
+def _called_in_loop(jaxpr, in_loop: bool = False) -> int | None:
+    """Index of a probed block whose equations sit inside a `scan`/`while` body, if any."""
+    for eqn in jaxpr.eqns:
+        found = re.search(_PROBE_SCOPE + r"(\d+)", str(getattr(eqn.source_info, "name_stack", "")))
+        if in_loop and found:
+            return int(found.group(1))
+        for sub in _subjaxprs(eqn):
+            found = _called_in_loop(sub, in_loop or eqn.primitive.name in _LOOPS)
+            if found is not None:
+                return found
+    return None
+
+
+def _subjaxprs(eqn):
+    for v in eqn.params.values():
+        for item in (v if isinstance(v, (list, tuple)) else [v]):
+            j = getattr(item, "jaxpr", item)
+            if hasattr(j, "eqns"):
+                yield j
+
+
 class _Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[int, CallSpec]] = []
@@ -143,7 +169,8 @@ class _Probe(eqx.Module):
         except NotImplementedError:  # under nested vmaps inside the forward: not a candidate
             spec = None
         self.recorder.calls.append((self.index, spec))
-        return self.module(*args, **kwargs)
+        with jax.named_scope(f"{_PROBE_SCOPE}{self.index}"):
+            return self.module(*args, **kwargs)
 
 
 def discover(
@@ -162,7 +189,16 @@ def discover(
         probes = [_Probe(get_at(m, p), i, recorder) for i, p in enumerate(paths)]
         return call(replace_at(m, paths, probes), *args, **kwargs)
 
-    jax.eval_shape(spec.function(probed), *spec.dynamic)
+    closed = jax.make_jaxpr(spec.function(probed))(*spec.dynamic)
+    looped = _called_in_loop(closed.jaxpr)
+    if looped is not None:
+        raise NotImplementedError(
+            f"smartremat found the block {path_str(candidates[looped][0])} "
+            f"({type(candidates[looped][1]).__name__}) called inside `jax.lax.scan` or a while loop, "
+            "where one traced call runs many times; planning such blocks is not supported yet, and "
+            "counting it once would understate the peak. Checkpoint the loop body by hand with "
+            "`eqx.filter_checkpoint`, or name blocks outside the loop with `blocks=`."
+        )
     unplannable = {i for i, s in recorder.calls if s is None}
     calls = [
         BlockCall(candidates[i][0], type(candidates[i][1]).__name__, s)

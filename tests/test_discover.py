@@ -1,6 +1,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import pytest
 
 import smartremat
 from smartremat import smartremat as sr
@@ -51,3 +52,23 @@ def test_array_only_module_is_its_own_block():
     plan = smartremat.explain(TutorialBlock(16, 64, jax.random.key(0)), jnp.ones((4, 16)), budget_mb=1)
     (block,) = plan.blocks
     assert block.path == "<self>" and len(block.options) >= 2
+
+
+class Scanned(eqx.Module):
+    """The Equinox idiom for deep models: stacked layers run under `jax.lax.scan`."""
+
+    layers: eqx.nn.Linear
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.layers, eqx.is_array)
+
+        def body(x, p):
+            return eqx.combine(p, static)(x), None
+
+        return jax.lax.scan(body, x, params)[0]
+
+
+def test_blocks_under_scan_are_refused_not_miscounted():
+    layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 8, key=k))(jax.random.split(jax.random.key(0), 6))
+    with pytest.raises(NotImplementedError, match=r"found the block layers \(Linear\) called inside `jax.lax.scan`"):
+        smartremat.explain(Scanned(layers), jnp.ones(8), budget_mb=1)
