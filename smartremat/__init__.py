@@ -7,6 +7,7 @@ from ._plan import MB as MB
 from ._plan import Plan as Plan
 from ._plan import PlanBlock as PlanBlock
 from ._plan import PolicyFigures as PolicyFigures
+from ._serialise import load_plan as load_plan
 
 smartremat.explain = explain  # `from smartremat import smartremat; smartremat.explain(...)`
 

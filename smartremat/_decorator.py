@@ -11,7 +11,8 @@ from typing import Any
 import equinox as eqx
 
 from . import _apply, _planner
-from ._plan import MB
+from ._plan import MB, Plan
+from ._serialise import signature
 from ._policies import normalise_policies
 from ._spec import make_spec
 
@@ -27,19 +28,32 @@ def _check_budget(budget_mb: Any, name: str = "smartremat(budget_mb=...)") -> in
     return int(float(budget_mb) * MB)
 
 
-def make_config(budget_mb, policies, blocks, calibrate, verify) -> _planner.Config:
+def make_config(budget_mb, policies, blocks, calibrate, verify, plan=None) -> _planner.Config:
     if blocks is not None and not callable(blocks):
         raise TypeError(
             f"`smartremat(blocks=...)` should be a function from the module to a sub-module or a "
             f"sequence of them (as in `eqx.tree_at`), not {blocks!r}; e.g. `blocks=lambda m: m.layers`."
         )
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(
+            f"`smartremat(plan=...)` should be a `smartremat.Plan` (e.g. from `smartremat.load_plan(path)`), "
+            f"not {type(plan).__name__}. Load a saved plan with `load_plan` first."
+        )
     return _planner.Config(_check_budget(budget_mb), normalise_policies(policies),
-                           float(budget_mb), blocks, bool(calibrate), bool(verify))
+                           float(budget_mb), blocks, bool(calibrate), bool(verify), plan)
 
 
 def planned_call(module: Any, call: Callable, config: _planner.Config, args: tuple, kwargs: dict):
     """Plan (once per signature) and run `call(module, *args, **kwargs)` under the plan."""
     spec = make_spec(module, args, kwargs)
+    if config.plan is not None:
+        if config.plan.signature != signature(call, spec):
+            raise ValueError(
+                "`smartremat(plan=...)` was made for a different module or input signature (shapes, "
+                "dtypes, batch, backend) than this call. Plan again (leave `plan=None`), or load the "
+                "plan saved for these inputs."
+            )
+        return _apply.run(module, call, config.plan.assignment, args, kwargs)
     plan = _planner.get_plan(call, spec, module, config)
     return _apply.run(module, call, plan.assignment, args, kwargs)
 
@@ -90,6 +104,7 @@ def smartremat(
     blocks: Callable[[Any], Any] | None = None,
     calibrate: bool = True,
     verify: bool = True,
+    plan: Plan | None = None,
 ) -> Callable[[Any], Any]:
     """Choose and apply gradient checkpointing so one forward+backward fits `budget_mb`.
 
@@ -107,6 +122,8 @@ def smartremat(
       block and policy, no device memory). Without it the model uses jaxpr counts only.
     - `verify`: compile the real step for the candidate plans and keep the cheapest whose
       compiled temp bytes fit; the compiler, not the model, then guarantees the fit.
+    - `plan`: a saved `Plan` (`smartremat.load_plan(path)`) to apply instead of planning; it must
+      have been made for the same module and input signature.
 
     **Returns:**
 
@@ -114,7 +131,7 @@ def smartremat(
     fields, same pytree) plan on their first call per input signature. On a module instance it returns
     a `SmartRemat` wrapper, called like the module, holding the same arrays.
     """
-    config = make_config(budget_mb, policies, blocks, calibrate, verify)
+    config = make_config(budget_mb, policies, blocks, calibrate, verify, plan)
 
     def decorate(target: Any) -> Any:
         if isinstance(target, type):

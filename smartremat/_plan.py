@@ -72,6 +72,7 @@ class Plan:
     assignment: Any = field(default=(), compare=False, repr=False)
     stages: Any = field(default=(), compare=False, repr=False)
     menu: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    signature: str = ""
 
     def to_dict(self) -> dict:
         """A JSON-serialisable dict (MB are 2**20 bytes)."""
@@ -92,6 +93,13 @@ class Plan:
             "blocks": [b.to_dict() for b in self.blocks],
         }
 
+    def save(self, path: str) -> None:
+        """Write this plan as JSON; `smartremat.load_plan(path)` reads it back for `smartremat(plan=...)`."""
+        from ._serialise import plan_to_json
+
+        with open(path, "w") as f:
+            f.write(plan_to_json(self))
+
     def frontier(self) -> list[tuple[float, int]]:
         """The exact memory/recompute Pareto frontier over all budgets, by smartremat's model.
 
@@ -103,6 +111,11 @@ class Plan:
         """
         from ._solve import frontier
 
+        if not self.stages:
+            raise ValueError(
+                "This plan was loaded from JSON, which does not keep the profile the frontier needs. "
+                "Call `smartremat.explain(model, *args)` to plan again and get the frontier."
+            )
         return [((s.peak + self.fixed_bytes) / MB, s.cost) for s in frontier(self.stages)]
 
     def uniform(self) -> dict[str, tuple[float, int]]:

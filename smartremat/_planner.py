@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -22,6 +23,7 @@ from ._plan import MB, Plan, PlanBlock, PolicyFigures
 from ._policies import policy_name
 from ._profile import BlockProfile, n_module_leaves, profile_block, _residuals
 from ._solve import Solution, frontier, min_peak, solve
+from ._serialise import signature
 from ._spec import CallSpec
 from ._verify import compiled_step
 
@@ -38,6 +40,7 @@ class Config:
     blocks: Callable | None = None
     calibrate: bool = True
     verify: bool = True
+    plan: Plan | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,7 @@ def make_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Pl
     if config.verify:
         sol, compiled = _verified(call, spec, model, config, sol or lowest, lowest)
     plan = _assemble(model, config, sol, lowest, compiled, time.perf_counter() - t0)
+    plan = dataclasses.replace(plan, signature=signature(call, spec))
     if cpu_barrier_missing():
         warnings.warn("smartremat: " + CPU_NOTE + ".", stacklevel=2)
     _log(f"smartremat planned {type(module).__name__}:\n{plan}")

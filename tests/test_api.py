@@ -13,7 +13,7 @@ from models import MLPStack, TutorialBlock
 
 def test_public_names():
     assert set(n for n in dir(smartremat) if not n.startswith("_")) == {
-        "MB", "Plan", "PlanBlock", "PolicyFigures", "SmartRemat", "explain", "smartremat"}
+        "MB", "Plan", "PlanBlock", "PolicyFigures", "SmartRemat", "explain", "load_plan", "smartremat"}
     assert smartremat.smartremat is smartremat_decorator
     assert smartremat_decorator.explain is explain
     assert MB == 2**20
