@@ -35,6 +35,3 @@ class KeyedCache(Generic[T]):
     def clear(self) -> None:
         with self._lock:
             self._values.clear()
-
-    def __len__(self) -> int:
-        return len(self._values)

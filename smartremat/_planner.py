@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -15,7 +14,7 @@ from typing import Any
 
 import jax
 
-from ._apply import call_module
+from ._apply import call_module, run
 from ._cache import KeyedCache, environment_key
 from ._discover import BlockCall, discover, path_str
 from ._memory import Stage, cost_of, peak_of
@@ -88,8 +87,6 @@ def _fixed_bytes(call, spec, calls, profiles, config) -> int:
     """Residuals of the work outside blocks (embedding, head, ...), held for the whole pass."""
     if len(calls) == 1 and calls[0].path == ():
         return 0
-    from ._apply import run
-
     full = jax.checkpoint_policies.nothing_saveable
     assignment = tuple((c.path, full) for c in dict((c.path, c) for c in calls).values())
     f = spec.function(lambda m, *a, **k: run(m, call, assignment, a, k))
@@ -116,17 +113,21 @@ def make_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Pl
     compiled = None
     if config.verify:
         sol, compiled = _verified(call, spec, model, config, sol or lowest, lowest)
-    plan = _assemble(model, config, sol, lowest, compiled, time.perf_counter() - t0)
-    plan = dataclasses.replace(plan, signature=signature(call, spec))
+    plan = _assemble(model, config, sol, lowest, compiled, time.perf_counter() - t0, signature(call, spec))
     if cpu_barrier_missing():
         warnings.warn("smartremat: " + CPU_NOTE + ".", stacklevel=2)
-    _log(f"smartremat planned {type(module).__name__}:\n{plan}")
+    _log(type(module).__name__, plan)
     return plan
 
 
-def _log(message: str) -> None:
-    """INFO on the `smartremat` logger; with SMARTREMAT_LOG=1 printed even without logging set up."""
-    if os.environ.get("SMARTREMAT_LOG", "") not in ("", "0") and not logger.isEnabledFor(logging.INFO):
+def _log(name: str, plan: Plan) -> None:
+    """INFO on the `smartremat` logger; with SMARTREMAT_LOG=1 printed even without logging set up.
+    The table is rendered only when someone will read it."""
+    printed = os.environ.get("SMARTREMAT_LOG", "") not in ("", "0")
+    if not (printed or logger.isEnabledFor(logging.INFO)):
+        return
+    message = f"smartremat planned {name}:\n{plan}"
+    if printed and not logger.isEnabledFor(logging.INFO):
         print(message, flush=True)
     logger.info(message)
 
@@ -201,7 +202,8 @@ def _uniform_peak(stages, policies, policy) -> int:
     return peak_of(stages, (idx,) * len(stages))
 
 
-def _assemble(model: Model, config: Config, sol: Solution, lowest: Solution, compiled, seconds) -> Plan:
+def _assemble(model: Model, config: Config, sol: Solution, lowest: Solution, compiled, seconds,
+              sig: str) -> Plan:
     stages, fixed = model.stages, model.fixed_bytes
     return Plan(
         budget_bytes=config.budget_bytes,
@@ -221,6 +223,7 @@ def _assemble(model: Model, config: Config, sol: Solution, lowest: Solution, com
         assignment=assignment_of(model, config.policies, sol.choice),
         stages=stages,
         menu=tuple(policy_name(p) for p in config.policies),
+        signature=sig,
     )
 
 

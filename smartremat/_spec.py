@@ -67,11 +67,6 @@ class CallSpec:
             f = jax.vmap(f, in_axes=self.in_axes, axis_size=self.axis_size)
         return f
 
-    def nbytes(self, which: Callable[[int], bool] = lambda i: True) -> int:
-        from ._cost import aval_bytes
-
-        return sum(aval_bytes(d) for i, d in enumerate(self.dynamic) if which(i))
-
 
 def make_spec(module: Any, args: tuple, kwargs: dict, *, top_level: bool = True) -> CallSpec:
     """Record the abstract signature of `module(*args, **kwargs)` as seen right now.

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 
@@ -24,34 +22,7 @@ def tree_allclose(a: Any, b: Any, rtol: float = 1e-6, atol: float = 0.0) -> bool
     return True
 
 
-def step_figures(model: Any, *args: Any) -> tuple[int, float]:
-    """Compiled temp bytes and FLOPs of `grad(sum(model(*args)))` w.r.t. the model's arrays."""
-    params, static = eqx.partition(model, eqx.is_array)
-    loss = lambda p, *a: jnp.sum(eqx.combine(p, static)(*a))
-    compiled = jax.jit(jax.grad(loss)).lower(params, *args).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return compiled.memory_analysis().temp_size_in_bytes, float(cost["flops"])
-
-
-def _call(module, *args, **kwargs):
-    return module(*args, **kwargs)
-
-
-class Uniform(eqx.Module):
-    """A hand-written uniform plan: `eqx.filter_checkpoint(policy)` around a sub-module."""
-
-    module: Any
-    policy: Any = eqx.field(static=True)
-
-    def __call__(self, *args):
-        return eqx.filter_checkpoint(_call, policy=self.policy)(self.module, *args)
-
-
-def uniform(model: Any, policy: Any, where=lambda m: m.layers) -> Any:
-    """`model` with every block named by `where` checkpointed under `policy` (None: as is)."""
-    if policy is None:
-        return model
-    if where is None:
-        return Uniform(model, policy)
-    return eqx.tree_at(where, model, [Uniform(b, policy) for b in where(model)])
+# The hand-written fixed strategies and the compiler's figures are the benchmark's own, so tests
+# and benchmarks hold plans against the same reference (`benchmarks/common.py`).
+from benchmarks.common import figures as step_figures  # noqa: E402,F401
+from benchmarks.common import strategy as uniform  # noqa: E402,F401
