@@ -36,7 +36,14 @@ def run(module: Any, call: Callable, assignment: Assignment, args: tuple, kwargs
     """Call `call(module, *args, **kwargs)` with each `(path, policy)` of `assignment` applied.
 
     A policy of `None` leaves that block alone; the empty path means the module's own call.
+    A `Segments` policy (a scanned block with different policies on pieces of its scan)
+    splits that scan.
     """
+    from ._scan import Segments, run_pieces
+
+    assignment = tuple((p, _single(pol) if isinstance(pol, Segments) else pol) for p, pol in assignment)
+    if any(isinstance(pol, Segments) for _, pol in assignment):
+        return run_pieces(module, call, assignment, args, kwargs, run)
     own = [pol for path, pol in assignment if path == ()]
     paths = [p for p, pol in assignment if p != () and pol is not None]
     pols = [pol for p, pol in assignment if p != () and pol is not None]
@@ -44,3 +51,9 @@ def run(module: Any, call: Callable, assignment: Assignment, args: tuple, kwargs
     if own and own[0] is not None:
         return eqx.filter_checkpoint(call, policy=own[0])(rewritten, *args, **kwargs)
     return call(rewritten, *args, **kwargs)
+
+
+def _single(segments: Any) -> Any:
+    """A `Segments` whose pieces share one policy is just that policy."""
+    pols = segments.policies()
+    return pols[0] if len(pols) == 1 else segments

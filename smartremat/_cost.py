@@ -31,11 +31,24 @@ class Cost:
         return Cost(self.flops * k, self.bytes * k)
 
 
+def _shard_shape(aval, shape: tuple) -> tuple:
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or getattr(mesh, "size", 1) <= 1:
+        return shape
+    try:
+        return tuple(sharding.shard_shape(tuple(shape)))
+    except Exception:  # a spec that does not divide the shape: count the whole array
+        return shape
+
+
 def aval_bytes(aval) -> int:
+    """Bytes of one device's share of `aval` (its shard, when sharded over a mesh)."""
     shape = getattr(aval, "shape", None)
     dtype = getattr(aval, "dtype", None)
     if shape is None or dtype is None:
         return 0
+    shape = _shard_shape(aval, shape)
     try:
         itemsize = np.dtype(dtype).itemsize
     except TypeError:  # extended dtypes (PRNG keys): count their storage

@@ -28,7 +28,7 @@ def _check_budget(budget_mb: Any, name: str = "smartremat(budget_mb=...)") -> in
     return int(float(budget_mb) * MB)
 
 
-def make_config(budget_mb, policies, blocks, calibrate, verify, plan=None) -> _planner.Config:
+def make_config(budget_mb, policies, blocks, calibrate, verify, plan=None, scan_segments=2) -> _planner.Config:
     if blocks is not None and not callable(blocks):
         raise TypeError(
             f"`smartremat(blocks=...)` should be a function from the module to a sub-module or a "
@@ -39,8 +39,14 @@ def make_config(budget_mb, policies, blocks, calibrate, verify, plan=None) -> _p
             f"`smartremat(plan=...)` should be a `smartremat.Plan` (e.g. from `smartremat.load_plan(path)`), "
             f"not {type(plan).__name__}. Load a saved plan with `load_plan` first."
         )
+    if isinstance(scan_segments, bool) or not isinstance(scan_segments, int) or scan_segments < 1:
+        raise ValueError(
+            f"`smartremat(scan_segments=...)` should be a positive int (how many pieces, each with "
+            f"its own policy, a scanned block's scan may be split into), not {scan_segments!r}; "
+            "e.g. `scan_segments=1` keeps every scan whole."
+        )
     return _planner.Config(_check_budget(budget_mb), normalise_policies(policies),
-                           float(budget_mb), blocks, bool(calibrate), bool(verify), plan)
+                           float(budget_mb), blocks, bool(calibrate), bool(verify), plan, scan_segments)
 
 
 def planned_call(module: Any, call: Callable, config: _planner.Config, args: tuple, kwargs: dict):
@@ -105,6 +111,7 @@ def smartremat(
     calibrate: bool = True,
     verify: bool = True,
     plan: Plan | None = None,
+    scan_segments: int = 2,
 ) -> Callable[[Any], Any]:
     """Choose and apply gradient checkpointing so one forward+backward fits `budget_mb`.
 
@@ -124,6 +131,10 @@ def smartremat(
       compiled temp bytes fit; the compiler, not the model, then guarantees the fit.
     - `plan`: a saved `Plan` (`smartremat.load_plan(path)`) to apply instead of planning; it must
       have been made for the same module and input signature.
+    - `scan_segments`: a block that is the body of a `jax.lax.scan` (stacked layers) runs every
+      iteration under one policy per scan, so smartremat may split that scan into up to this
+      many consecutive scans, each with its own policy (more pieces: closer to the best
+      per-layer plan, more to compile). `1` keeps each scan whole.
 
     **Returns:**
 
@@ -131,7 +142,7 @@ def smartremat(
     fields, same pytree) plan on their first call per input signature. On a module instance it returns
     a `SmartRemat` wrapper, called like the module, holding the same arrays.
     """
-    config = make_config(budget_mb, policies, blocks, calibrate, verify, plan)
+    config = make_config(budget_mb, policies, blocks, calibrate, verify, plan, scan_segments)
 
     def decorate(target: Any) -> Any:
         if isinstance(target, type):

@@ -120,29 +120,45 @@ def _short(x: Any) -> str:
 
 
 @dataclass(frozen=True)
+class ScanSite:
+    """Where a block runs under `jax.lax.scan`: the scan's index among the forward's top-level
+    equations, its trip count and direction."""
+
+    eqn: int
+    length: int
+    reverse: bool
+
+
+@dataclass(frozen=True)
 class BlockCall:
-    """One call of a candidate block during the forward, with its abstract signature."""
+    """One call of a candidate block during the forward, with its abstract signature.
+
+    `scan` is set when the call is the body of a top-level `jax.lax.scan`: it then runs
+    `scan.length` times, with the per-iteration signature `spec`.
+    """
 
     path: Path
     type_name: str
     spec: CallSpec
+    scan: ScanSite | None = None
 
 
 _PROBE_SCOPE = "smartremat_probe_"
 _LOOPS = ("scan", "while")
 
 
-def _called_in_loop(jaxpr, in_loop: bool = False) -> int | None:
-    """Index of a probed block whose equations sit inside a `scan`/`while` body, if any."""
-    for eqn in jaxpr.eqns:
-        found = re.search(_PROBE_SCOPE + r"(\d+)", str(getattr(eqn.source_info, "name_stack", "")))
-        if in_loop and found:
-            return int(found.group(1))
+def _serials(eqn) -> set[int]:
+    return {int(s) for s in re.findall(_PROBE_SCOPE + r"(\d+)", str(getattr(eqn.source_info, "name_stack", "")))}
+
+
+def _contexts(jaxpr, ctx: tuple = ()) -> Iterator[tuple[int, tuple]]:
+    """`(serial, enclosing)` for every probed call's equations; `enclosing` lists the
+    `(top-level index, equation)` of each equation holding a sub-jaxpr around it."""
+    for k, eqn in enumerate(jaxpr.eqns):
+        for s in _serials(eqn):
+            yield s, ctx
         for sub in _subjaxprs(eqn):
-            found = _called_in_loop(sub, in_loop or eqn.primitive.name in _LOOPS)
-            if found is not None:
-                return found
-    return None
+            yield from _contexts(sub, ctx + ((k, eqn),))
 
 
 def _subjaxprs(eqn):
@@ -153,9 +169,27 @@ def _subjaxprs(eqn):
                 yield j
 
 
+def _sites(jaxpr) -> dict[int, ScanSite | None | str]:
+    """Per probed call: `None` (runs once), a `ScanSite`, or a string saying why it cannot be planned."""
+    out: dict[int, ScanSite | None | str] = {}
+    for serial, ctx in _contexts(jaxpr):
+        loops = [(k, e) for k, e in ctx if e.primitive.name in _LOOPS]
+        if not loops:
+            site: ScanSite | None | str = None
+        elif len(loops) == 1 and ctx[0][1] is loops[0][1] and loops[0][1].primitive.name == "scan":
+            k, e = loops[0]
+            site = ScanSite(k, int(e.params["length"]), bool(e.params["reverse"]))
+        else:
+            site = "a while loop, a nested loop, or a scan inside another transformation"
+        out.setdefault(serial, site)
+        if out[serial] != site:
+            out[serial] = "more than one place"
+    return out
+
+
 class _Recorder:
     def __init__(self) -> None:
-        self.calls: list[tuple[int, CallSpec]] = []
+        self.calls: list[tuple[int, CallSpec | None]] = []
 
 
 class _Probe(eqx.Module):
@@ -168,8 +202,9 @@ class _Probe(eqx.Module):
             spec = make_spec(self.module, args, kwargs)
         except NotImplementedError:  # under nested vmaps inside the forward: not a candidate
             spec = None
+        serial = len(self.recorder.calls)
         self.recorder.calls.append((self.index, spec))
-        with jax.named_scope(f"{_PROBE_SCOPE}{self.index}"):
+        with jax.named_scope(f"{_PROBE_SCOPE}{serial}"):
             return self.module(*args, **kwargs)
 
 
@@ -178,6 +213,7 @@ def discover(
 ) -> list[BlockCall]:
     """Run the forward abstractly with probes on the candidates; return calls in order.
 
+    A block that is the body of a top-level `jax.lax.scan` is one call with its `ScanSite`.
     If no candidate is called (e.g. a Module holding only arrays), the module's own call is
     the one block.
     """
@@ -190,21 +226,15 @@ def discover(
         return call(replace_at(m, paths, probes), *args, **kwargs)
 
     closed = jax.make_jaxpr(spec.function(probed))(*spec.dynamic)
-    looped = _called_in_loop(closed.jaxpr)
-    if looped is not None:
-        raise NotImplementedError(
-            f"smartremat found the block {path_str(candidates[looped][0])} "
-            f"({type(candidates[looped][1]).__name__}) called inside `jax.lax.scan` or a while loop, "
-            "where one traced call runs many times; planning such blocks is not supported yet, and "
-            "counting it once would understate the peak. Checkpoint the loop body by hand with "
-            "`eqx.filter_checkpoint`, or name blocks outside the loop with `blocks=`."
-        )
-    unplannable = {i for i, s in recorder.calls if s is None}
-    calls = [
-        BlockCall(candidates[i][0], type(candidates[i][1]).__name__, s)
-        for i, s in recorder.calls
-        if i not in unplannable
-    ]
+    sites = _sites(closed.jaxpr)
+    calls = []
+    for serial, (i, s) in enumerate(recorder.calls):
+        site = sites.get(serial)
+        if isinstance(site, str):
+            raise NotImplementedError(_loop_error(candidates[i], site))
+        if s is not None:
+            calls.append(BlockCall(candidates[i][0], type(candidates[i][1]).__name__, s, site))
+    _check_scans(calls)
     if not calls:
         if blocks is not None:
             raise ValueError(
@@ -213,3 +243,40 @@ def discover(
             )
         return [BlockCall((), type(module).__name__, spec)]
     return calls
+
+
+def _loop_error(candidate: tuple[Path, Any], where: str) -> str:
+    return (
+        f"smartremat found the block {path_str(candidate[0])} ({type(candidate[1]).__name__}) "
+        f"called inside {where}, where one traced call runs an unknown or nested number of "
+        "times; counting it once would understate the peak. smartremat plans blocks that run "
+        "once or as the body of a top-level `jax.lax.scan`. Checkpoint this loop's body by hand "
+        "with `eqx.filter_checkpoint`, or name blocks outside the loop with `blocks=`."
+    )
+
+
+def _check_scans(calls: list[BlockCall]) -> None:
+    """One planned block per scan, and a scanned block runs nowhere else."""
+    by_scan: dict[int, set] = {}
+    for c in calls:
+        if c.scan is not None:
+            by_scan.setdefault(c.scan.eqn, set()).add(c.path)
+    for paths in by_scan.values():
+        if len(paths) > 1:
+            names = ", ".join(sorted(path_str(p) for p in paths))
+            raise NotImplementedError(
+                f"smartremat found several blocks ({names}) in the body of one `jax.lax.scan`; it "
+                "plans one block per scan. Put them in one module that the scan body calls, or "
+                "name one of them with `blocks=`."
+            )
+    scanned = {c.path for c in calls if c.scan is not None}
+    counts: dict = {}
+    for c in calls:
+        counts[c.path] = counts.get(c.path, 0) + 1
+    for p in scanned:
+        if counts[p] > 1:
+            raise NotImplementedError(
+                f"smartremat found the scanned block {path_str(p)} called more than once (in two "
+                "scans, or in a scan and outside it); it plans a scanned block that runs in one "
+                "scan. Give each scan its own stacked module."
+            )

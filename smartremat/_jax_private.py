@@ -47,6 +47,12 @@ def batch_axis(leaf: Any) -> tuple[int, int, Any] | None:
     return int(size), int(bdim), x._trace
 
 
+def axis_name(trace: Any) -> Any:
+    """The `axis_name` of the `jax.vmap` a `batch_axis` trace belongs to (for collectives such
+    as BatchNorm's `pmean`), or `None`."""
+    return getattr(getattr(trace, "axis_data", None), "name", None)
+
+
 def inner_value(leaf: Any) -> Any:
     """The batched value underneath a `BatchTracer` (to detect nested vmaps)."""
     return _strip_primal(_strip_primal(leaf).val)
@@ -54,3 +60,15 @@ def inner_value(leaf: Any) -> Any:
 
 def is_batched(leaf: Any) -> bool:
     return AVAILABLE and isinstance(_strip_primal(leaf), _BatchTracer)
+
+
+def bind_equation(eqn: Any, invals: list) -> list:
+    """Bind a jaxpr equation's primitive to `invals`, as `jax.core.eval_jaxpr` does.
+
+    `Primitive.get_bind_params` returns the params (sub-functions inside) in current JAX and
+    `(subfuns, params)` in older releases; both are handled.
+    """
+    got = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = got if isinstance(got, tuple) else ((), got)
+    outs = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]

@@ -22,12 +22,17 @@ class Stage:
     """One block call: per option, bytes kept, own peak, and recompute cost.
 
     Stages with the same `group` are calls of the same block and must take the same option.
+    Consecutive stages with the same `run` are the iterations of one `jax.lax.scan`: their
+    options may change along the run, but the run splits into at most `segments` pieces of
+    one option each (each piece becomes its own scan).
     """
 
     saved: tuple[int, ...]
     peak: tuple[int, ...]
     cost: tuple[int, ...]
     group: int
+    run: int | None = None
+    segments: int = 1
 
     def __post_init__(self):
         if not (len(self.saved) == len(self.peak) == len(self.cost) > 0):
@@ -47,3 +52,19 @@ def peak_of(stages: Sequence[Stage], choice: Sequence[int], offset: int = 0) -> 
 
 def cost_of(stages: Sequence[Stage], choice: Sequence[int]) -> int:
     return sum(st.cost[c] for st, c in zip(stages, choice, strict=True))
+
+
+def segments_of(stages: Sequence[Stage], choice: Sequence[int]) -> dict[int, int]:
+    """`{run: number of constant pieces}` of `choice` along each scan run."""
+    out: dict[int, int] = {}
+    prev: tuple[int | None, int] = (None, -1)
+    for st, c in zip(stages, choice, strict=True):
+        if st.run is not None:
+            out[st.run] = out.get(st.run, 0) + (prev != (st.run, c))
+        prev = (st.run, c)
+    return out
+
+
+def respects_segments(stages: Sequence[Stage], choice: Sequence[int]) -> bool:
+    limits = {st.run: st.segments for st in stages if st.run is not None}
+    return all(n <= limits[r] for r, n in segments_of(stages, choice).items())

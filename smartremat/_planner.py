@@ -21,6 +21,7 @@ from ._memory import Stage, cost_of, peak_of
 from ._plan import MB, Plan, PlanBlock, PolicyFigures
 from ._policies import policy_name
 from ._profile import BlockProfile, n_module_leaves, profile_block, _residuals
+from ._scan import Segments
 from ._solve import Solution, frontier, min_peak, solve
 from ._serialise import signature
 from ._spec import CallSpec
@@ -40,16 +41,22 @@ class Config:
     calibrate: bool = True
     verify: bool = True
     plan: Plan | None = None
+    scan_segments: int = 2
 
 
 @dataclass(frozen=True)
 class Model:
-    """The profiled module: block calls, their profiles, and the solver's stages."""
+    """The profiled module: block calls, their profiles, and the solver's stages.
+
+    A scanned call gives one stage per iteration, in the order the scan runs them; `owner[i]`
+    is the index of stage `i`'s call.
+    """
 
     calls: tuple[BlockCall, ...]
     profiles: tuple[BlockProfile, ...]
     stages: tuple[Stage, ...]
     fixed_bytes: int
+    owner: tuple[int, ...]
 
 
 _PLANS: KeyedCache[Plan] = KeyedCache()
@@ -74,13 +81,31 @@ def build_model(call: Callable, spec: CallSpec, module: Any, config: Config) -> 
         for c in calls
     )
     groups = {p: i for i, p in enumerate(dict.fromkeys(c.path for c in calls))}
-    stages = []
-    for c, prof in zip(calls, profiles):
+    stages, owner = [], []
+    for ci, (c, prof) in enumerate(zip(calls, profiles)):
         opts = [_option_of(prof, pol) for pol in config.policies]
-        stages.append(Stage(tuple(o.saved_bytes for o in opts), tuple(o.peak_bytes for o in opts),
-                            tuple(o.recompute.flops for o in opts), groups[c.path]))
+        if c.scan is None:
+            stages.append(Stage(*_figures(opts, scanned=False), groups[c.path]))
+            owner.append(ci)
+            continue
+        for _ in range(c.scan.length):  # each iteration its own group, pieces limited per run
+            stages.append(Stage(*_figures(opts, scanned=True), len(groups) + len(stages), c.scan.eqn,
+                                config.scan_segments))
+            owner.append(ci)
     fixed = _fixed_bytes(call, spec, calls, profiles, config)
-    return Model(calls, profiles, tuple(stages), fixed)
+    return Model(calls, profiles, tuple(stages), fixed, tuple(owner))
+
+
+def _figures(opts: list, scanned: bool) -> tuple[tuple[int, ...], ...]:
+    """`(saved, peak, cost)` per option. A scan stacks each iteration's residuals as the jaxpr
+    has them (XLA cannot fuse them away across the loop), so a scanned stage keeps the jaxpr
+    count, plus the compiler's transient for its own backward."""
+    if not scanned:
+        return (tuple(o.saved_bytes for o in opts), tuple(o.peak_bytes for o in opts),
+                tuple(o.recompute.flops for o in opts))
+    saved = tuple(o.residual_bytes for o in opts)
+    peak = tuple(o.residual_bytes + max(o.peak_bytes - o.saved_bytes, 0) for o in opts)
+    return saved, peak, tuple(o.recompute.flops for o in opts)
 
 
 def _fixed_bytes(call, spec, calls, profiles, config) -> int:
@@ -91,15 +116,37 @@ def _fixed_bytes(call, spec, calls, profiles, config) -> int:
     assignment = tuple((c.path, full) for c in dict((c.path, c) for c in calls).values())
     f = spec.function(lambda m, *a, **k: run(m, call, assignment, a, k))
     internal, _, _ = _residuals(f, spec, n_module_leaves(spec))
-    block_inputs = sum(_option_of(p, full).residual_bytes for p in profiles)
+    block_inputs = sum(_option_of(p, full).residual_bytes * (c.scan.length if c.scan else 1)
+                       for c, p in zip(calls, profiles))
     return max(internal - block_inputs, 0)
 
 
 def assignment_of(model: Model, policies: tuple, choice: tuple[int, ...]) -> tuple:
+    """`((path, policy or Segments), ...)`, one entry per distinct block."""
+    per_call: dict[int, list[int]] = {}
+    for ci, o in zip(model.owner, choice):
+        per_call.setdefault(ci, []).append(o)
     seen: dict = {}
-    for c, o in zip(model.calls, choice):
-        seen.setdefault(c.path, policies[o])
+    for ci, opts in per_call.items():
+        c = model.calls[ci]
+        if c.path in seen:
+            continue
+        if c.scan is None:
+            seen[c.path] = policies[opts[0]]
+        else:
+            seen[c.path] = _segments(opts, c.scan.reverse, policies)
     return tuple(seen.items())
+
+
+def _segments(opts: list[int], reverse: bool, policies: tuple) -> Any:
+    """Run-length pieces over the stacked axis (a reversed scan runs it from the end)."""
+    by_index = opts[::-1] if reverse else opts
+    pieces, start = [], 0
+    for i in range(1, len(by_index) + 1):
+        if i == len(by_index) or by_index[i] != by_index[start]:
+            pieces.append((start, i, policies[by_index[start]]))
+            start = i
+    return pieces[0][2] if len(pieces) == 1 else Segments(tuple(pieces))
 
 
 def make_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Plan:
@@ -157,12 +204,15 @@ def _verified(call, spec, model: Model, config: Config, sol: Solution, lowest: S
 
     with ThreadPoolExecutor(max(1, min(len(cands), os.cpu_count() or 1))) as pool:
         figures = dict(zip(cands, pool.map(measure, cands)))
-    fits = [(f, t, cost_of(stages, ch), ch) for ch, (t, f) in figures.items() if t <= config.budget_bytes]
+    # XLA's cost analysis counts a loop body once (design.md fact 7): with scans, rank by the model
+    looped = any(st.run is not None for st in stages)
+    fits = [(cost_of(stages, ch) if looped else f, t, cost_of(stages, ch), ch)
+            for ch, (t, f) in figures.items() if t <= config.budget_bytes]
     if not fits:
         floor = min(t for t, _ in figures.values())
         raise infeasible(config, spec, floor, "compiled temp bytes of the training step")
-    flops, temp, cost, choice = min(fits)
-    return Solution(choice, peak_of(stages, choice), cost), (temp, flops)
+    _, temp, cost, choice = min(fits)
+    return Solution(choice, peak_of(stages, choice), cost), figures[choice]
 
 
 def _spread(front: list[Solution], n: int) -> list[Solution]:
@@ -185,16 +235,25 @@ def infeasible(config: Config, spec: CallSpec, floor: int, kind: str) -> ValueEr
 
 
 def _blocks(model: Model, config: Config, choice: tuple[int, ...]) -> tuple[PlanBlock, ...]:
-    out, counts = {}, {}
-    for c, prof, o in zip(model.calls, model.profiles, choice):
-        counts[c.path] = counts.get(c.path, 0) + 1
-        if c.path in out:
-            continue
-        figures = tuple(PolicyFigures(p.name, p.saved_bytes, p.peak_bytes, p.recompute.flops, p.merged)
-                        for p in prof.options)
-        out[c.path] = (c, figures, policy_name(config.policies[o]))
-    return tuple(PlanBlock(path_str(c.path), c.type_name, counts[p], pol, figs)
-                 for p, (c, figs, pol) in out.items())
+    """One row per distinct block; a scan split into pieces gives one row per piece."""
+    chosen = dict(assignment_of(model, config.policies, choice))
+    counts: dict = {}
+    first: dict = {}
+    for c, prof in zip(model.calls, model.profiles):
+        counts[c.path] = counts.get(c.path, 0) + (c.scan.length if c.scan else 1)
+        first.setdefault(c.path, (c, prof))
+    out = []
+    for path, (c, prof) in first.items():
+        saved, peak, cost = _figures(list(prof.options), scanned=c.scan is not None)
+        figures = tuple(PolicyFigures(o.name, s, pk, f, o.merged)
+                        for o, s, pk, f in zip(prof.options, saved, peak, cost))
+        pol = chosen[path]
+        if isinstance(pol, Segments):
+            out += [PlanBlock(f"{path_str(path)}[{a}:{b}]", c.type_name, b - a, policy_name(q), figures)
+                    for a, b, q in pol.pieces]
+        else:
+            out.append(PlanBlock(path_str(path), c.type_name, counts[path], policy_name(pol), figures))
+    return tuple(out)
 
 
 def _uniform_peak(stages, policies, policy) -> int:
@@ -212,7 +271,8 @@ def _assemble(model: Model, config: Config, sol: Solution, lowest: Solution, com
         full_remat_peak_bytes=_uniform_peak(stages, config.policies, jax.checkpoint_policies.nothing_saveable) + fixed,
         min_peak_bytes=lowest.peak + fixed,
         recompute_flops=sol.cost,
-        forward_flops=sum(p.forward.flops for p in model.profiles),
+        forward_flops=sum(p.forward.flops * (c.scan.length if c.scan else 1)
+                          for c, p in zip(model.calls, model.profiles)),
         blocks=_blocks(model, config, sol.choice),
         compiled_peak_bytes=None if compiled is None else int(compiled[0]),
         compiled_flops=None if compiled is None else float(compiled[1]),
@@ -247,6 +307,6 @@ def _notes(model: Model, sol: Solution) -> list[str]:
         kept += st.saved[c]
     prior = worst - model.stages[at].peak[sol.choice[at]]
     notes.append(
-        f"the peak is reached in the backward of {path_str(model.calls[at].path)} "
-        f"({model.calls[at].type_name}), while {prior / MB:.2f} MB kept by earlier blocks are alive")
+        f"the peak is reached in the backward of {path_str(model.calls[model.owner[at]].path)} "
+        f"({model.calls[model.owner[at]].type_name}), while {prior / MB:.2f} MB kept by earlier blocks are alive")
     return notes

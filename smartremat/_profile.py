@@ -6,6 +6,7 @@ calibrating, `jit(...).lower(ShapeDtypeStruct...).compile()`): no device memory 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -116,10 +117,24 @@ def _residuals(f: Callable, spec: CallSpec, n_module: int) -> tuple[int, int, tu
     return internal, args, tuple(sorted(sig, key=repr))
 
 
+def mesh_context(avals) -> contextlib.AbstractContextManager:
+    """`jax.set_mesh` of the mesh the avals are sharded over, so code naming `PartitionSpec`s
+    (e.g. `out_sharding=P(...)`) traces in compile threads too, which do not inherit the
+    caller's mesh context. A no-op for single-device avals or where a mesh cannot be set."""
+    meshes = {getattr(getattr(a, "sharding", None), "mesh", None) for a in avals} - {None}
+    if len(meshes) != 1:
+        return contextlib.nullcontext()
+    try:
+        return jax.set_mesh(meshes.pop())
+    except Exception:
+        return contextlib.nullcontext()
+
+
 def compiled_temp(fn: Callable, spec: CallSpec | tuple) -> tuple[int, float]:
     """Compiler's temp bytes and FLOPs of `fn(*spec.dynamic)` (abstract: no device memory)."""
     avals = spec.dynamic if isinstance(spec, CallSpec) else spec
-    compiled = jax.jit(fn).lower(*avals).compile()
+    with mesh_context(avals):
+        compiled = jax.jit(fn).lower(*avals).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return int(compiled.memory_analysis().temp_size_in_bytes), float((cost or {}).get("flops", 0.0))

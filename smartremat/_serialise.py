@@ -12,6 +12,7 @@ import jax
 
 from ._plan import MB, Plan, PlanBlock, PolicyFigures
 from ._policies import DEFAULT_POLICIES, policy_name
+from ._scan import Segments
 from ._spec import CallSpec
 
 _BY_NAME = {policy_name(p): p for p in DEFAULT_POLICIES}
@@ -28,7 +29,7 @@ def signature(call: Callable, spec: CallSpec) -> str:
 def plan_to_json(plan: Plan) -> str:
     data = plan.to_dict()
     data["signature"] = plan.signature
-    data["assignment"] = [[[list(step) for step in path], policy_name(pol)] for path, pol in plan.assignment]
+    data["assignment"] = [[[list(step) for step in path], _policy_json(pol)] for path, pol in plan.assignment]
     return json.dumps(data, indent=1)
 
 
@@ -62,7 +63,7 @@ def load_plan(source: str | os.PathLike | dict) -> Plan:
         compiled_peak_bytes=None if data["compiled_peak_mb"] is None else round(data["compiled_peak_mb"] * MB),
         compiled_flops=data["compiled_flops"], fixed_bytes=round(data["fixed_mb"] * MB),
         planning_seconds=data["planning_s"], backend=data["backend"], notes=tuple(data["notes"]),
-        assignment=tuple((tuple(tuple(step) for step in path), _policy(name)) for path, name in data["assignment"]),
+        assignment=tuple((tuple(tuple(step) for step in path), _policy_of_json(pol)) for path, pol in data["assignment"]),
         signature=data["signature"],
     )
 
@@ -80,3 +81,15 @@ def _policy(name: str) -> Any:
             f"{sorted(_BY_NAME)} can be). Plan again with `smartremat(policies=[...])` instead of loading."
         )
     return _BY_NAME[name]
+
+
+def _policy_json(pol: Any) -> Any:
+    if isinstance(pol, Segments):
+        return {"segments": [[a, b, policy_name(p)] for a, b, p in pol.pieces]}
+    return policy_name(pol)
+
+
+def _policy_of_json(pol: Any) -> Any:
+    if isinstance(pol, dict):
+        return Segments(tuple((int(a), int(b), _policy(name)) for a, b, name in pol["segments"]))
+    return _policy(pol)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._memory import Stage, cost_of, peak_of
+from ._memory import Stage, cost_of, peak_of, respects_segments
 
 _MAX_TIED_COMBOS = 4096
 
@@ -51,34 +51,26 @@ def _only(st: Stage, o: int) -> Stage:
     return Stage(
         tuple(v if k == o else big for k, v in enumerate(st.saved)),
         tuple(v if k == o else big for k, v in enumerate(st.peak)),
-        st.cost, st.group)
+        st.cost, st.group, st.run, st.segments)
 
 
 def _solve_free(stages: Sequence[Stage], limit: int, cap: int | None = None) -> Solution | None:
-    """DP over (kept bytes, cost); with `cap`, states costing more are dropped (costs are >= 0)."""
-    kept = np.zeros(1, np.int64)
-    cost = np.zeros(1, np.int64)
+    """DP over (kept bytes, cost); with `cap`, states costing more are dropped (costs are >= 0).
+
+    Inside a scan run a state also carries its current option and pieces used so far, and
+    dominance is only applied between states with the same such label.
+    """
+    kept, cost = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    prev, segs = np.full(1, -1, np.int64), np.zeros(1, np.int64)
     back: list[tuple[np.ndarray, np.ndarray]] = []
-    for st in stages:
-        m = len(st.saved)
-        cand_k, cand_c, par, opt = [], [], [], []
-        for o in range(m):
-            feasible = kept + st.peak[o] <= limit
-            if cap is not None:
-                feasible &= cost + st.cost[o] <= cap
-            ok = np.nonzero(feasible)[0]
-            cand_k.append(kept[ok] + st.saved[o])
-            cand_c.append(cost[ok] + st.cost[o])
-            par.append(ok)
-            opt.append(np.full(len(ok), o, np.int64))
-        k, c, p, op = (np.concatenate(x) for x in (cand_k, cand_c, par, opt))
+    for i, st in enumerate(stages):
+        cont = st.run is not None and i > 0 and stages[i - 1].run == st.run
+        parts = [_expand(st, o, kept, cost, prev, segs, cont, limit, cap) for o in range(len(st.saved))]
+        k, c, p, op, pv, sg = (np.concatenate(x) for x in zip(*parts))
         if len(k) == 0:
             return None
-        order = np.lexsort((c, k))
-        k, c, p, op = k[order], c[order], p[order], op[order]
-        best_before = np.concatenate([[np.iinfo(np.int64).max], np.minimum.accumulate(c)[:-1]])
-        keep = c < best_before
-        kept, cost = k[keep], c[keep]
+        keep = _pareto(k, c, (pv + 1) * (st.segments + 2) + sg)
+        kept, cost, prev, segs = k[keep], c[keep], pv[keep], sg[keep]
         back.append((p[keep], op[keep]))
     i = int(np.argmin(cost))
     choice = []
@@ -87,6 +79,35 @@ def _solve_free(stages: Sequence[Stage], limit: int, cap: int | None = None) -> 
         i = int(p[i])
     choice.reverse()
     return Solution(tuple(choice), peak_of(stages, choice), cost_of(stages, choice))
+
+
+def _expand(st: Stage, o: int, kept, cost, prev, segs, cont: bool, limit: int, cap: int | None):
+    """The states reached from every current state by taking option `o` at stage `st`."""
+    feasible = kept + st.peak[o] <= limit
+    if cap is not None:
+        feasible &= cost + st.cost[o] <= cap
+    if st.run is None:
+        new_segs = np.zeros_like(segs)
+    else:
+        new_segs = segs + (prev != o) if cont else np.ones_like(segs)
+        feasible &= new_segs <= st.segments
+    ok = np.nonzero(feasible)[0]
+    new_prev = np.full(len(ok), o if st.run is not None else -1, np.int64)
+    return (kept[ok] + st.saved[o], cost[ok] + st.cost[o], ok, np.full(len(ok), o, np.int64),
+            new_prev, new_segs[ok])
+
+
+def _pareto(k: np.ndarray, c: np.ndarray, label: np.ndarray) -> np.ndarray:
+    """Indices of states not dominated in (kept, cost) by another state of the same label."""
+    order = np.lexsort((c, k, label))
+    ks, cs, ls = k[order], c[order], label[order]
+    keep = np.zeros(len(order), bool)
+    starts = np.flatnonzero(np.r_[True, ls[1:] != ls[:-1]])
+    for a, b in zip(starts, np.r_[starts[1:], len(order)]):
+        run = cs[a:b]
+        best_before = np.concatenate([[np.iinfo(np.int64).max], np.minimum.accumulate(run)[:-1]])
+        keep[a:b] = run < best_before
+    return order[keep]
 
 
 def solve(stages: Sequence[Stage], limit: int) -> Solution | None:
@@ -121,6 +142,8 @@ def _lowest_peak_at_cost(stages: Sequence[Stage], sol: Solution) -> Solution:
 
 def min_peak(stages: Sequence[Stage]) -> Solution:
     """A choice of the lowest modelled peak (ties: cheapest)."""
+    if any(st.run is not None for st in stages):
+        return _min_peak_bisect(stages)
     best = None
     for variant, _ in _tied_variants(stages):
         front = [(0, 0, ())]  # (kept, worst, choice)
@@ -142,6 +165,22 @@ def min_peak(stages: Sequence[Stage]) -> Solution:
     return cheapest if cheapest is not None else best
 
 
+def _min_peak_bisect(stages: Sequence[Stage]) -> Solution:
+    """Lowest limit any choice fits (bisection on the exact DP), then the cheapest there."""
+    variants = [v for v, _ in _tied_variants(stages)]
+    lo = 0
+    hi = sum(max(st.saved) for st in stages) + max(max(st.peak) for st in stages)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(_solve_free(v, mid) is not None for v in variants):
+            hi = mid
+        else:
+            lo = mid + 1
+    sol = solve(stages, lo)
+    assert sol is not None
+    return sol
+
+
 def frontier(stages: Sequence[Stage], max_points: int = 10_000) -> list[Solution]:
     """Every Pareto-optimal (peak, cost) pair, sorted by peak, each with a choice reaching it."""
     points: list[Solution] = []
@@ -161,6 +200,8 @@ def brute_force(stages: Sequence[Stage], limit: int) -> Solution | None:
     for choice in itertools.product(*[range(len(st.saved)) for st in stages]):
         if any(stages[i].group == stages[j].group and choice[i] != choice[j]
                for i in range(len(stages)) for j in range(i)):
+            continue
+        if not respects_segments(stages, choice):
             continue
         pk = peak_of(stages, choice)
         if pk > limit:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,11 +40,12 @@ class CallSpec:
     static: tuple[tuple[int, Any], ...]
     in_axes: tuple[int | None, ...]
     axis_size: int | None
+    axis_name: Any = None
 
     def key(self) -> tuple:
-        dyn = tuple((d.shape, str(d.dtype)) for d in self.dynamic)
+        dyn = tuple((d.shape, str(d.dtype), sharding_key(d)) for d in self.dynamic)
         stat = tuple((i, _hashable(v)) for i, v in self.static)
-        return (self.treedef, dyn, stat, self.in_axes, self.axis_size)
+        return (self.treedef, dyn, stat, self.in_axes, self.axis_size, self.axis_name)
 
     def rebuild(self, dynamic: tuple) -> tuple:
         leaves: list[Any] = [None] * (len(self.dynamic) + len(self.static))
@@ -64,7 +68,7 @@ class CallSpec:
 
         f = wrap(per_example) if wrap is not None else per_example
         if self.axis_size is not None:
-            f = jax.vmap(f, in_axes=self.in_axes, axis_size=self.axis_size)
+            f = jax.vmap(f, in_axes=self.in_axes, axis_size=self.axis_size, axis_name=self.axis_name)
         return f
 
 
@@ -83,7 +87,7 @@ def make_spec(module: Any, args: tuple, kwargs: dict, *, top_level: bool = True)
         batch = _jax_private.batch_axis(leaf)
         aval = jax.typeof(leaf) if not isinstance(leaf, jax.ShapeDtypeStruct) else leaf
         if batch is None:
-            dynamic.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+            dynamic.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=_placed(aval)))
             in_axes.append(None)
             continue
         bsize, _, btrace = batch
@@ -94,7 +98,59 @@ def make_spec(module: Any, args: tuple, kwargs: dict, *, top_level: bool = True)
         size, trace = bsize, btrace
         dynamic.append(jax.ShapeDtypeStruct((bsize, *aval.shape), aval.dtype))
         in_axes.append(0)
-    return CallSpec(treedef, tuple(dynamic), tuple(static), tuple(in_axes), size)
+    name = _jax_private.axis_name(trace) if trace is not None else None
+    return CallSpec(treedef, tuple(dynamic), tuple(static), tuple(in_axes), size, name)
+
+
+def _mesh_of(sharding: Any) -> Any:
+    mesh = getattr(sharding, "mesh", None)
+    return mesh if mesh is not None and getattr(mesh, "size", 1) > 1 else None
+
+
+@functools.lru_cache(maxsize=None)
+def _concrete_mesh(sizes: tuple, names: tuple, types: tuple) -> jax.sharding.Mesh:
+    """A device mesh for an abstract one seen inside `jit`: the first devices, in order."""
+    devices = np.array(jax.devices()[: math.prod(sizes)]).reshape(sizes)
+    return jax.sharding.Mesh(devices, names, axis_types=types)
+
+
+def _placed(aval: Any) -> jax.sharding.NamedSharding | None:
+    """The aval's sharding over a mesh of several devices, on concrete devices (to compile for);
+    `None` for a single device. Under a mesh whose axes are not Explicit, JAX does not show a
+    traced value's sharding, so smartremat warns and plans as if it were replicated."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = _mesh_of(sharding)
+    if mesh is None:
+        return None
+    types = tuple(mesh.axis_types)
+    if not all(t == jax.sharding.AxisType.Explicit for t in types):
+        warnings.warn(_AUTO_MESH, stacklevel=4)
+    if not isinstance(mesh, jax.sharding.Mesh):
+        mesh = _concrete_mesh(tuple(mesh.axis_sizes), tuple(mesh.axis_names), types)
+    return jax.sharding.NamedSharding(mesh, sharding.spec)
+
+
+def sharding_key(d: jax.ShapeDtypeStruct) -> Any:
+    s = getattr(d, "sharding", None)
+    if not isinstance(s, jax.sharding.NamedSharding):
+        return None
+    return (tuple(s.mesh.axis_names), tuple(s.mesh.axis_sizes), str(s.spec))
+
+
+def abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """`x`'s shape, dtype and (over several devices) sharding, as seen now."""
+    aval = jax.typeof(x)
+    sharding = getattr(aval, "sharding", None)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding if _mesh_of(sharding) else None)
+
+
+_AUTO_MESH = (
+    "smartremat sees a device mesh whose axes are not `AxisType.Explicit`; inside `jit` JAX then "
+    "hides how each value is sharded, so smartremat profiles and compiles as if every input were "
+    "replicated, and its per-device figures are those of one device doing all the work "
+    "(pessimistic). Make the mesh with Explicit axes (`jax.make_mesh`'s default) so that "
+    "per-device bytes are counted."
+)
 
 
 def vmapped_spec(module: Any, args: tuple, kwargs: dict) -> CallSpec:

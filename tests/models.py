@@ -124,3 +124,22 @@ class GPT(eqx.Module):
         for layer in self.layers:
             x = layer(x)
         return layer_norm(x) @ self.head
+
+
+class ScannedTransformer(eqx.Module):
+    """`Transformer` written the Equinox way for deep models: layers stacked with
+    `eqx.filter_vmap` and run by `jax.lax.scan` (same keys give the same parameters)."""
+
+    layers: Layer
+
+    def __init__(self, n: int, d: int, heads: int, key: jax.Array):
+        self.layers = eqx.filter_vmap(lambda k: Layer(d, heads, k))(jax.random.split(key, n))
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.layers, eqx.is_array)
+
+        def body(x, p):
+            return eqx.combine(p, static)(x), None
+
+        x, _ = jax.lax.scan(body, x, params)
+        return layer_norm(x)

@@ -4,7 +4,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from smartremat._memory import Stage, peak_of
+from smartremat._memory import Stage, peak_of, respects_segments
 from smartremat._solve import brute_force, frontier, min_peak, solve
 
 
@@ -16,6 +16,41 @@ def instances(draw):
     groups = draw(st.lists(st.integers(0, n + 1), min_size=n, max_size=n))
     stages = [Stage(draw(ints(50)), draw(ints(100)), draw(ints(20)), g) for g in groups]
     return stages, draw(st.integers(0, 500))
+
+
+@st.composite
+def scanned_instances(draw):
+    """A few free stages around one scan run whose pieces are limited to `segments`."""
+    before, length, after = draw(st.integers(0, 2)), draw(st.integers(1, 6)), draw(st.integers(0, 2))
+    m = draw(st.integers(2, 3))
+    ints = lambda hi: st.tuples(*[st.integers(0, hi)] * m)
+    segments = draw(st.integers(1, 3))
+    stage = lambda g, run: Stage(draw(ints(50)), draw(ints(100)), draw(ints(20)), g, run, segments)
+    run = stage(0, 7)  # iterations of a scan share their figures
+    stages = [stage(10 + i, None) for i in range(before)]
+    stages += [Stage(run.saved, run.peak, run.cost, 20 + i, 7, segments) for i in range(length)]
+    stages += [stage(30 + i, None) for i in range(after)]
+    return stages, draw(st.integers(0, 600))
+
+
+@settings(max_examples=200, deadline=None)
+@given(scanned_instances())
+def test_solver_respects_scan_pieces_and_matches_brute_force(inst):
+    stages, limit = inst
+    got, ref = solve(stages, limit), brute_force(stages, limit)
+    assert (got is None) == (ref is None)
+    if got is not None:
+        assert respects_segments(stages, got.choice)
+        assert (got.cost, got.peak) == (ref.cost, ref.peak)
+    low = min_peak(stages)
+    assert respects_segments(stages, low.choice) and solve(stages, low.peak - 1) is None
+
+
+def test_more_pieces_can_only_help():
+    """Early iterations want remat, late ones not: one piece costs more than two."""
+    mk = lambda k: [Stage((10, 1), (20, 11), (0, 5), i, 0, k) for i in range(6)]
+    one, two = solve(mk(1), 40), solve(mk(2), 40)
+    assert two.choice == (1, 1, 1, 1, 0, 0) and two.cost < one.cost == 30
 
 
 @settings(max_examples=300, deadline=None)

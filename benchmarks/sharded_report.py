@@ -1,0 +1,175 @@
+"""Sharded training: per-device budgets held against the compiler, over 8 simulated CPU devices.
+
+    python benchmarks/sharded_report.py [--quick] [--json PATH]
+
+Runs in its own process: it sets `XLA_FLAGS=--xla_force_host_platform_device_count=8` (and, on
+CPU, the barrier flag of design.md fact 1) before JAX starts. A residual MLP stack is trained
+data parallel over a mesh `('data',)` of 8 and over a 2-D mesh `('data', 'model')` of 4 x 2
+(Megatron-style: the first weight split by columns, the second by rows), both with Explicit
+axes (`jax.make_mesh`'s default), parameters and inputs placed with `NamedSharding`. At
+budgets between the per-device compiled temp of full remat and of no remat it reports the
+plan's per-device predicted peak, the compiled per-device temp of the real sharded training
+step of the decorated model, whether it fits, and the gradients against no remat.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+_DEVICES = "--xla_force_host_platform_device_count=8"
+if "jax" not in sys.modules:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if shutil.which("nvidia-smi") is None and "cse_barrier_expander" not in flags:
+        flags += " --xla_disable_hlo_passes=cse_barrier_expander"
+    os.environ["XLA_FLAGS"] = (flags + " " + _DEVICES).strip()
+
+import argparse
+import json
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import smartremat
+
+MB = smartremat.MB
+
+
+class Block(eqx.Module):
+    """`x + gelu(x @ w1) @ w2`; the second matmul names its output sharding (needed when its
+    contraction runs over the 'model' axis)."""
+
+    w1: jax.Array
+    w2: jax.Array
+    out: P = eqx.field(static=True)
+
+    def __init__(self, d: int, hidden: int, out: P, key: jax.Array):
+        k1, k2 = jax.random.split(key)
+        self.w1 = jax.random.normal(k1, (d, hidden)) / d**0.5
+        self.w2 = jax.random.normal(k2, (hidden, d)) / hidden**0.5
+        self.out = out
+
+    def __call__(self, x):
+        return x + jnp.matmul(jax.nn.gelu(x @ self.w1), self.w2, out_sharding=self.out)
+
+
+class Stack(eqx.Module):
+    blocks: list
+
+    def __call__(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class Uniform(eqx.Module):
+    """A block under one fixed policy (the per-device floor and ceiling of the budgets)."""
+
+    block: Block
+    policy: object = eqx.field(static=True)
+
+    def __call__(self, x):
+        return eqx.filter_checkpoint(lambda b, x: b(x), policy=self.policy)(self.block, x)
+
+
+def loss(model, x):
+    return jnp.sum(model(x))
+
+
+def step_temp(model, x) -> int:
+    """Per-device temp bytes of the compiled training step, on the real sharded arrays."""
+    params, static = eqx.partition(model, eqx.is_array)
+    step = jax.jit(jax.grad(lambda p, x: loss(eqx.combine(p, static), x)))
+    return int(step.lower(params, x).compile().memory_analysis().temp_size_in_bytes)
+
+
+def layout(name: str, d: int, hidden: int, n: int, batch: int):
+    """`(mesh, model, x)` with parameters and inputs placed on the mesh."""
+    if name == "dp":
+        mesh, w1, w2 = jax.make_mesh((8,), ("data",)), P(), P()
+    else:
+        mesh, w1, w2 = jax.make_mesh((4, 2), ("data", "model")), P(None, "model"), P("model", None)
+    keys = jax.random.split(jax.random.key(0), n)
+    model = Stack([Block(d, hidden, P("data", None), k) for k in keys])
+    shard = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    model = Stack([eqx.tree_at(lambda b: (b.w1, b.w2), b, (shard(b.w1, w1), shard(b.w2, w2)))
+                   for b in model.blocks])
+    x = shard(jax.random.normal(jax.random.key(1), (batch, d)), P("data", None))
+    return mesh, model, x
+
+
+def run_layout(name: str, d: int, hidden: int, n: int, batch: int) -> dict:
+    mesh, model, x = layout(name, d, hidden, n, batch)
+    with jax.set_mesh(mesh):
+        uniform = lambda pol: Stack([Uniform(b, pol) for b in model.blocks])
+        full, none = step_temp(uniform(jax.checkpoint_policies.nothing_saveable), x), step_temp(model, x)
+        want = eqx.filter_jit(eqx.filter_grad(loss))(model, x)
+        rows = []
+        for b in np.linspace(full, none, 5)[1:-1] / MB:
+            wrapped = smartremat.smartremat(float(b))(model)
+            plan = smartremat.explain(wrapped, x)
+            got = eqx.filter_jit(eqx.filter_grad(loss))(wrapped, x)
+            diff = max(float(jnp.max(jnp.abs(g - w)) / jnp.max(jnp.abs(w)))
+                       for g, w in zip(jax.tree.leaves(got.module), jax.tree.leaves(want)))
+            rows.append({"budget_mb": float(b), "predicted_mb": plan.predicted_peak_bytes / MB,
+                         "compiled_mb": step_temp(wrapped, x) / MB,
+                         "plan_compiled_mb": plan.compiled_peak_bytes / MB,
+                         "policies": [blk.policy for blk in plan.blocks], "grad_rel_diff": diff,
+                         "block_none_kept_mb": plan.blocks[0].options[0].saved_bytes / MB})
+    return {"layout": name, "mesh": dict(mesh.shape), "full_mb": full / MB, "none_mb": none / MB,
+            "predicted_none_mb": plan.no_remat_peak_bytes / MB,
+            "one_device_predicted_none_mb": one_device_none(d, hidden, n, batch), "rows": rows}
+
+
+def one_device_none(d: int, hidden: int, n: int, batch: int) -> float:
+    """The same model and global batch on one device: smartremat's predicted no-remat peak."""
+    keys = jax.random.split(jax.random.key(0), n)
+    model = Stack([Block(d, hidden, None, k) for k in keys])
+    x = jax.ShapeDtypeStruct((batch, d), jnp.float32)
+    return smartremat.explain(model, x, budget_mb=1e6).no_remat_peak_bytes / MB
+
+
+def table(result: dict) -> list[str]:
+    lines = [f"### {result['layout']} mesh {result['mesh']}: per-device compiled temp, full remat "
+             f"{result['full_mb']:.2f} MB, no remat {result['none_mb']:.2f} MB", "",
+             f"Predicted no-remat peak per device {result['predicted_none_mb']:.2f} MB; the same model "
+             f"and global batch planned on one device: {result['one_device_predicted_none_mb']:.2f} MB.", "",
+             "| budget MB | predicted MB | compiled MB (real sharded step) | fits | policies | grad rel diff |",
+             "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        fits = "yes" if r["compiled_mb"] <= r["budget_mb"] else "NO"
+        pols = " ".join(p.replace("_saveable", "").replace("nothing", "full") for p in r["policies"])
+        lines.append(f"| {r['budget_mb']:.2f} | {r['predicted_mb']:.2f} | {r['compiled_mb']:.2f} | {fits} | "
+                     f"{pols} | {r['grad_rel_diff']:.1e} |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes (the test runs this)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--out", default=None, help="write the markdown tables here")
+    args = ap.parse_args()
+    d, hidden, n, batch = (32, 256, 4, 4096) if args.quick else (256, 1024, 6, 4096)
+    results = [run_layout(name, d, hidden, n, batch) for name in ("dp", "2d")]
+    lines = [f"Sharded fit, jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].device_kind}; "
+             f"{n} blocks d={d} hidden={hidden}, global batch {batch}", ""]
+    for r in results:
+        lines += table(r) + [""]
+    print("\n".join(lines))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Run a scanned block with different policies on consecutive pieces of its scan.
+
+One `jax.lax.scan` stacks the same residuals for every iteration, so a scan whose iterations
+should use different policies must become several scans, one per piece. The user's forward
+is traced once per policy (the block wrapped in its checkpoint, inside the scan body as the
+Equinox idiom `eqx.combine(params, static)` rebuilds it), and then evaluated equation by
+equation, the marked scan replaced by one `jax.lax.scan` per piece, each with the body
+traced under that piece's policy. Everything else binds exactly as traced.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from . import _jax_private
+from ._discover import Path, get_at, replace_at
+from ._spec import abstract
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Policies for consecutive pieces of a scan: `((start, stop, policy), ...)` over the
+    scanned axis (indices of the stacked layers), covering it in order."""
+
+    pieces: tuple[tuple[int, int, Any], ...]
+
+    def policies(self) -> list[Any]:
+        return list(dict.fromkeys(pol for _, _, pol in self.pieces))
+
+
+_TAG = "smartremat_scan_"
+
+
+class _Marked(eqx.Module):
+    """The scanned block, its equations tagged so the scan that runs it can be found."""
+
+    module: Any
+    tag: int = eqx.field(static=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with jax.named_scope(f"{_TAG}{self.tag}"):
+            return self.module(*args, **kwargs)
+
+
+def run_pieces(module: Any, call: Callable, assignment: tuple, args: tuple, kwargs: dict,
+               plain_run: Callable) -> Any:
+    """`plain_run(module, call, assignment, args, kwargs)` with each `Segments` entry's scan split."""
+    segs = [(i, path, pol) for i, (path, pol) in enumerate(assignment) if isinstance(pol, Segments)]
+    rounds = max(len(pol.policies()) for _, _, pol in segs)
+    leaves, treedef = jax.tree.flatten((module, args, kwargs))
+    dyn_at = [i for i, x in enumerate(leaves) if eqx.is_array(x)]
+
+    def forward(r: int) -> Callable:
+        chosen = list(assignment)
+        for i, path, pol in segs:
+            ps = pol.policies()
+            chosen[i] = (path, ps[min(r, len(ps) - 1)])
+
+        def f(*dyn):
+            full = list(leaves)
+            for i, x in zip(dyn_at, dyn):
+                full[i] = x
+            m, a, k = jax.tree.unflatten(treedef, full)
+            paths: list[Path] = [path for _, path, _ in segs]
+            m = replace_at(m, paths, [_Marked(get_at(m, p), t) for t, p in enumerate(paths)])
+            return plain_run(m, call, tuple(chosen), a, k)
+
+        return f
+
+    avals = [abstract(leaves[i]) for i in dyn_at]
+    traced = [jax.make_jaxpr(forward(r), return_shape=True)(*avals) for r in range(rounds)]
+    closed, out_shape = traced[0]
+    targets = {}
+    for t, (_, _, pol) in enumerate(segs):
+        k = _find_scan(closed.jaxpr, t)
+        ps = pol.policies()
+        bodies = [_body_at(traced[ps.index(p)][0].jaxpr, t, closed.jaxpr.eqns[k]) for _, _, p in pol.pieces]
+        targets[k] = [(a, b, body) for (a, b, _), body in zip(pol.pieces, bodies)]
+    outs = _evaluate(closed, targets, [leaves[i] for i in dyn_at])
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+def _tagged(jaxpr, tag: int) -> bool:
+    pattern = re.compile(rf"{_TAG}{tag}(?!\d)")
+    for eqn in jaxpr.eqns:
+        if pattern.search(str(getattr(eqn.source_info, "name_stack", ""))):
+            return True
+        if any(_tagged(sub, tag) for sub in _subjaxprs(eqn)):
+            return True
+    return False
+
+
+def _subjaxprs(eqn):
+    for v in eqn.params.values():
+        for item in (v if isinstance(v, (list, tuple)) else [v]):
+            j = getattr(item, "jaxpr", item)
+            if hasattr(j, "eqns"):
+                yield j
+
+
+def _find_scan(jaxpr, tag: int) -> int:
+    for k, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name == "scan" and _tagged(eqn.params["jaxpr"].jaxpr, tag):
+            return k
+    raise RuntimeError(
+        "smartremat planned a block as the body of a top-level `jax.lax.scan`, but the forward it "
+        "now traces runs it elsewhere. The module's forward must trace the same way each time; "
+        "plan again (call it with the same arguments), or report this with the module's code."
+    )
+
+
+def _body_at(jaxpr, tag: int, base):
+    """The marked scan of another policy's trace, checked to take the same operands as `base`."""
+    eqn = jaxpr.eqns[_find_scan(jaxpr, tag)]
+    same = [(v.aval.shape, v.aval.dtype) for v in eqn.invars] == [(v.aval.shape, v.aval.dtype) for v in base.invars]
+    if not same or eqn.params["num_consts"] != base.params["num_consts"]:
+        raise RuntimeError(
+            "smartremat: the scan's operands differ between the policies of its pieces, so it "
+            "cannot be split. Plan this module with `smartremat(..., scan_segments=1)`.")
+    return eqn
+
+
+def _evaluate(closed, targets: dict, args: list) -> list:
+    """Evaluate `closed` equation by equation, splitting the scans in `targets`."""
+    env: dict = {}
+    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
+    for v, c in zip(closed.jaxpr.constvars, closed.consts):
+        env[v] = c
+    for v, a in zip(closed.jaxpr.invars, args):
+        env[v] = a
+    for k, eqn in enumerate(closed.jaxpr.eqns):
+        invals = [read(v) for v in eqn.invars]
+        if k in targets:
+            outs = _split_scan(eqn, targets[k], invals)
+        else:
+            outs = _jax_private.bind_equation(eqn, invals)
+        for v, o in zip(eqn.outvars, outs):
+            if not isinstance(v, jcore.DropVar):
+                env[v] = o
+    return [read(v) for v in closed.jaxpr.outvars]
+
+
+def _split_scan(eqn, pieces: list, invals: list) -> list:
+    """The scan `eqn` as one scan per `(start, stop, body_eqn)` piece, in the scan's order.
+
+    Each piece scans over its iteration indices and reads its slice of every scanned operand
+    inside the body (as the original scan does), so no piece copies the stacked parameters.
+    """
+    p = eqn.params
+    nc, ncar = p["num_consts"], p["num_carry"]
+    consts, carry, xs = invals[:nc], list(invals[nc:nc + ncar]), invals[nc + ncar:]
+    ys_of = {}
+    for a, b, body_eqn in (reversed(pieces) if p["reverse"] else pieces):
+        fn = jcore.jaxpr_as_fun(body_eqn.params["jaxpr"])
+
+        def step(c, x, fn=fn):
+            out = fn(*consts, *c, *x)
+            return list(out[:ncar]), list(out[ncar:])
+
+        carry, ys_of[a] = jax.lax.scan(step, carry, [v[a:b] for v in xs], length=b - a,
+                                       reverse=p["reverse"], unroll=p["unroll"])
+    n_ys = len(eqn.outvars) - ncar
+    ys = [jnp.concatenate([ys_of[a][j] for a, _, _ in pieces]) for j in range(n_ys)]
+    return [*carry, *ys]

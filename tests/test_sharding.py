@@ -1,0 +1,42 @@
+"""Sharded training over 8 simulated CPU devices: the budget is per device, the profile counts
+per-device bytes, and the compiled per-device temp of the real sharded step fits.
+
+JAX fixes its device count when it starts, so this runs `benchmarks/sharded_report.py --quick`
+(data parallel over 8, and a 2-D 4 x 2 data x model mesh) in a fresh process."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharded") / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sharded_report.py"), "--quick",
+                    "--json", str(out)], check=True, env=env, cwd=ROOT, timeout=900)
+    return {r["layout"]: r for r in json.loads(out.read_text())}
+
+
+@pytest.mark.parametrize("layout", ["dp", "2d"])
+def test_per_device_budgets_fit_the_compiled_sharded_step(report, layout):
+    r = report[layout]
+    assert r["mesh"] == ({"data": 8} if layout == "dp" else {"data": 4, "model": 2})
+    for row in r["rows"]:
+        assert row["compiled_mb"] <= row["budget_mb"] and row["plan_compiled_mb"] <= row["budget_mb"]
+        assert row["grad_rel_diff"] <= 1e-6
+    assert len({tuple(row["policies"]) for row in r["rows"]}) >= 2, "budgets should change the plan"
+    assert any(p != "none" for row in r["rows"] for p in row["policies"])
+
+
+@pytest.mark.parametrize("layout", ["dp", "2d"])
+def test_profile_counts_per_device_bytes(report, layout):
+    """Activations split over 8 devices: the per-device peak is far below one device's."""
+    r = report[layout]
+    assert r["predicted_none_mb"] <= r["one_device_predicted_none_mb"] / 4
+    assert r["predicted_none_mb"] == pytest.approx(r["none_mb"], rel=0.1)
