@@ -46,8 +46,11 @@ def _tied_variants(stages: Sequence[Stage]):
         yield [st if i not in fixed else _only(st, fixed[i]) for i, st in enumerate(stages)], fixed
 
 
+_FORBIDDEN = np.iinfo(np.int64).max // 4  # an option a tied variant rules out
+
+
 def _only(st: Stage, o: int) -> Stage:
-    big = np.iinfo(np.int64).max // 4
+    big = _FORBIDDEN
     return Stage(
         tuple(v if k == o else big for k, v in enumerate(st.saved)),
         tuple(v if k == o else big for k, v in enumerate(st.peak)),
@@ -83,7 +86,7 @@ def _solve_free(stages: Sequence[Stage], limit: int, cap: int | None = None) -> 
 
 def _expand(st: Stage, o: int, kept, cost, prev, segs, cont: bool, limit: int, cap: int | None):
     """The states reached from every current state by taking option `o` at stage `st`."""
-    feasible = kept + st.peak[o] <= limit
+    feasible = (kept + st.peak[o] <= limit) & (st.peak[o] < _FORBIDDEN)
     if cap is not None:
         feasible &= cost + st.cost[o] <= cap
     if st.run is None:

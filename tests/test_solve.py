@@ -100,3 +100,10 @@ def test_solver_handles_long_chains(n):
     assert sol is not None and sol.peak <= 3000
     if n == 1:
         assert sol.choice == (0,)
+
+
+def test_tied_block_never_takes_an_option_its_variant_rules_out():
+    """Found by hypothesis: untied choices are cheaper here, and must not leak through."""
+    stages = [Stage((0, 0, 0), (0, 0, 0), (0, 1, 1), 0), Stage((0, 0, 0), (0, 0, 0), (1, 0, 0), 0)]
+    assert [(s.peak, s.cost) for s in frontier(stages)] == [(0, 1)]
+    assert solve(stages, 10**18).cost == 1
