@@ -2,7 +2,8 @@
 
     python benchmarks/scan_report.py [--layers 12] [--d 128] [--seq 128] [--batch 4] [--out PATH]
 
-Part 1 plans with smartremat's model alone (`calibrate=False, verify=False`, so both models
+Nested options are off for both (scanned blocks do not get them yet), so both are planned
+over the same options. Part 1 plans with smartremat's model alone (`calibrate=False, verify=False`, so both models
 are planned from the same kind of figures) at budgets between the lowest reachable peak and
 no remat: predicted peak and recompute of the unrolled model, of the scanned model with
 `scan_segments=2` (the default) and with `scan_segments=1` (one policy for the whole scan).
@@ -59,7 +60,7 @@ def build(layers: int, d: int):
 
 
 def plan(model, x, budget_mb, segments=2, model_only=True):
-    config = make_config(budget_mb, None, None, not model_only, not model_only, None, segments)
+    config = make_config(budget_mb, None, None, not model_only, not model_only, None, segments, False)
     return _planner.get_plan(type(model).__call__, make_spec(model, (x,), {}), model, config)
 
 

@@ -28,7 +28,8 @@ def _check_budget(budget_mb: Any, name: str = "smartremat(budget_mb=...)") -> in
     return int(float(budget_mb) * MB)
 
 
-def make_config(budget_mb, policies, blocks, calibrate, verify, plan=None, scan_segments=2) -> _planner.Config:
+def make_config(budget_mb, policies, blocks, calibrate, verify, plan=None, scan_segments=2,
+                nested=True) -> _planner.Config:
     if blocks is not None and not callable(blocks):
         raise TypeError(
             f"`smartremat(blocks=...)` should be a function from the module to a sub-module or a "
@@ -46,7 +47,8 @@ def make_config(budget_mb, policies, blocks, calibrate, verify, plan=None, scan_
             "e.g. `scan_segments=1` keeps every scan whole."
         )
     return _planner.Config(_check_budget(budget_mb), normalise_policies(policies),
-                           float(budget_mb), blocks, bool(calibrate), bool(verify), plan, scan_segments)
+                           float(budget_mb), blocks, bool(calibrate), bool(verify), plan, scan_segments,
+                           bool(nested))
 
 
 def planned_call(module: Any, call: Callable, config: _planner.Config, args: tuple, kwargs: dict):
@@ -112,6 +114,7 @@ def smartremat(
     verify: bool = True,
     plan: Plan | None = None,
     scan_segments: int = 2,
+    nested: bool = True,
 ) -> Callable[[Any], Any]:
     """Choose and apply gradient checkpointing so one forward+backward fits `budget_mb`.
 
@@ -135,6 +138,9 @@ def smartremat(
       iteration under one policy per scan, so smartremat may split that scan into up to this
       many consecutive scans, each with its own policy (more pieces: closer to the best
       per-layer plan, more to compile). `1` keeps each scan whole.
+    - `nested`: also offer, for each block that calls sub-blocks of its own (e.g. a transformer
+      layer's attention and MLP), checkpointing those sub-blocks (its two costliest, every
+      combination of policies) instead of the whole block. `False` plans one level only.
 
     **Returns:**
 
@@ -142,7 +148,7 @@ def smartremat(
     fields, same pytree) plan on their first call per input signature. On a module instance it returns
     a `SmartRemat` wrapper, called like the module, holding the same arrays.
     """
-    config = make_config(budget_mb, policies, blocks, calibrate, verify, plan, scan_segments)
+    config = make_config(budget_mb, policies, blocks, calibrate, verify, plan, scan_segments, nested)
 
     def decorate(target: Any) -> Any:
         if isinstance(target, type):

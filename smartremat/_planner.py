@@ -21,6 +21,7 @@ from ._memory import Stage, cost_of, peak_of
 from ._plan import MB, Plan, PlanBlock, PolicyFigures
 from ._policies import policy_name
 from ._profile import BlockProfile, n_module_leaves, profile_block, _residuals
+from ._nested import Nested, nested_options
 from ._scan import Segments
 from ._solve import Solution, frontier, min_peak, solve
 from ._serialise import signature
@@ -42,6 +43,7 @@ class Config:
     verify: bool = True
     plan: Plan | None = None
     scan_segments: int = 2
+    nested: bool = True
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,8 @@ class Model:
     """The profiled module: block calls, their profiles, and the solver's stages.
 
     A scanned call gives one stage per iteration, in the order the scan runs them; `owner[i]`
-    is the index of stage `i`'s call.
+    is the index of stage `i`'s call; `menus[c]` are call `c`'s options (the policy menu, then
+    its nested options), indexed like its stage's figures.
     """
 
     calls: tuple[BlockCall, ...]
@@ -57,6 +60,7 @@ class Model:
     stages: tuple[Stage, ...]
     fixed_bytes: int
     owner: tuple[int, ...]
+    menus: tuple[tuple, ...]
 
 
 _PLANS: KeyedCache[Plan] = KeyedCache()
@@ -74,16 +78,17 @@ def _option_of(profile: BlockProfile, policy: Any):
 
 
 def build_model(call: Callable, spec: CallSpec, module: Any, config: Config) -> Model:
-    """Discover the block calls and profile each distinct one under every policy."""
+    """Discover the block calls and profile each distinct one under every option."""
     calls = tuple(discover(module, call, spec, config.blocks))
+    menus = _menus(calls, config)
     profiles = tuple(
-        profile_block(c.spec, call if c.path == () else call_module, config.policies, config.calibrate)
-        for c in calls
+        profile_block(c.spec, call if c.path == () else call_module, menu, config.calibrate)
+        for c, menu in zip(calls, menus)
     )
     groups = {p: i for i, p in enumerate(dict.fromkeys(c.path for c in calls))}
     stages, owner = [], []
     for ci, (c, prof) in enumerate(zip(calls, profiles)):
-        opts = [_option_of(prof, pol) for pol in config.policies]
+        opts = [_option_of(prof, pol) for pol in menus[ci]]
         if c.scan is None:
             stages.append(Stage(*_figures(opts, scanned=False), groups[c.path]))
             owner.append(ci)
@@ -93,7 +98,22 @@ def build_model(call: Callable, spec: CallSpec, module: Any, config: Config) -> 
                                 config.scan_segments))
             owner.append(ci)
     fixed = _fixed_bytes(call, spec, calls, profiles, config)
-    return Model(calls, profiles, tuple(stages), fixed, tuple(owner))
+    return Model(calls, profiles, tuple(stages), fixed, tuple(owner), menus)
+
+
+def _menus(calls: tuple[BlockCall, ...], config: Config) -> tuple[tuple, ...]:
+    """Per call: the policy menu, then (with `config.nested`) its nested options."""
+    found: dict = {}
+    out = []
+    for c in calls:
+        if not config.nested or c.scan is not None or c.path == ():
+            out.append(config.policies)
+            continue
+        key = c.spec.key()
+        if key not in found:
+            found[key] = nested_options(c, config.policies)
+        out.append(config.policies + found[key])
+    return tuple(out)
 
 
 def _figures(opts: list, scanned: bool) -> tuple[tuple[int, ...], ...]:
@@ -121,8 +141,8 @@ def _fixed_bytes(call, spec, calls, profiles, config) -> int:
     return max(internal - block_inputs, 0)
 
 
-def assignment_of(model: Model, policies: tuple, choice: tuple[int, ...]) -> tuple:
-    """`((path, policy or Segments), ...)`, one entry per distinct block."""
+def choices_of(model: Model, choice: tuple[int, ...]) -> dict:
+    """`{block path: chosen option or Segments}`, one entry per distinct block."""
     per_call: dict[int, list[int]] = {}
     for ci, o in zip(model.owner, choice):
         per_call.setdefault(ci, []).append(o)
@@ -131,11 +151,21 @@ def assignment_of(model: Model, policies: tuple, choice: tuple[int, ...]) -> tup
         c = model.calls[ci]
         if c.path in seen:
             continue
-        if c.scan is None:
-            seen[c.path] = policies[opts[0]]
+        menu = model.menus[ci]
+        seen[c.path] = menu[opts[0]] if c.scan is None else _segments(opts, c.scan.reverse, menu)
+    return seen
+
+
+def assignment_of(model: Model, policies: tuple, choice: tuple[int, ...]) -> tuple:
+    """`((path, policy or Segments), ...)` to apply: a nested option becomes its sub-blocks'
+    entries (paths below the block's), the block itself left alone."""
+    out: dict = {}
+    for path, option in choices_of(model, choice).items():
+        if isinstance(option, Nested):
+            out.update({path + child: pol for child, pol in option.children})
         else:
-            seen[c.path] = _segments(opts, c.scan.reverse, policies)
-    return tuple(seen.items())
+            out[path] = option
+    return tuple(out.items())
 
 
 def _segments(opts: list[int], reverse: bool, policies: tuple) -> Any:
@@ -236,7 +266,7 @@ def infeasible(config: Config, spec: CallSpec, floor: int, kind: str) -> ValueEr
 
 def _blocks(model: Model, config: Config, choice: tuple[int, ...]) -> tuple[PlanBlock, ...]:
     """One row per distinct block; a scan split into pieces gives one row per piece."""
-    chosen = dict(assignment_of(model, config.policies, choice))
+    chosen = choices_of(model, choice)
     counts: dict = {}
     first: dict = {}
     for c, prof in zip(model.calls, model.profiles):
@@ -244,16 +274,22 @@ def _blocks(model: Model, config: Config, choice: tuple[int, ...]) -> tuple[Plan
         first.setdefault(c.path, (c, prof))
     out = []
     for path, (c, prof) in first.items():
-        saved, peak, cost = _figures(list(prof.options), scanned=c.scan is not None)
-        figures = tuple(PolicyFigures(o.name, s, pk, f, o.merged)
-                        for o, s, pk, f in zip(prof.options, saved, peak, cost))
         pol = chosen[path]
+        shown = [o for o in prof.options if o.name in _menu_names(config) or o.name == policy_name(pol)
+                 or policy_name(pol) in o.merged]
+        saved, peak, cost = _figures(shown, scanned=c.scan is not None)
+        figures = tuple(PolicyFigures(o.name, s, pk, f, o.merged)
+                        for o, s, pk, f in zip(shown, saved, peak, cost))
         if isinstance(pol, Segments):
             out += [PlanBlock(f"{path_str(path)}[{a}:{b}]", c.type_name, b - a, policy_name(q), figures)
                     for a, b, q in pol.pieces]
         else:
             out.append(PlanBlock(path_str(path), c.type_name, counts[path], policy_name(pol), figures))
     return tuple(out)
+
+
+def _menu_names(config: Config) -> set[str]:
+    return {policy_name(p) for p in config.policies}
 
 
 def _uniform_peak(stages, policies, policy) -> int:

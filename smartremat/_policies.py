@@ -31,6 +31,8 @@ def policy_name(policy: Callable[..., bool] | None) -> str:
     """A stable, readable name for a policy (`"none"` for no remat)."""
     if policy is None:
         return NO_REMAT
+    if hasattr(policy, "smartremat_name"):  # a nested option (smartremat._nested.Nested)
+        return policy.smartremat_name
     if id(policy) in _KNOWN_NAMES:
         return _KNOWN_NAMES[id(policy)]
     for name in ("dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable"):

@@ -186,8 +186,8 @@ def _profile_uncached(spec: CallSpec, call: Callable, menu: tuple, calibrate: bo
     f_none = spec.function(call)
     base = jaxpr_cost(jax.make_jaxpr(grad_step(f_none, spec))(*spec.dynamic))
     raw, seen = [], {}
-    for policy in menu:
-        f = spec.function(call, _wrap(policy))
+    for policy in menu:  # a nested option is itself the call (its sub-blocks wrapped)
+        f = spec.function(policy) if hasattr(policy, "smartremat_name") else spec.function(call, _wrap(policy))
         internal, args, sig = _residuals(f, spec, n_module)
         if sig in seen and policy is not None:  # same residuals as an earlier policy: merge
             seen[sig][3].append(policy_name(policy))

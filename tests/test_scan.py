@@ -21,7 +21,8 @@ N, D, HEADS, T, B = 12, 64, 4, 64, 4
 
 
 def plan_of(model, x, budget_mb, segments=2, calibrate=False, verify=False):
-    config = make_config(budget_mb, None, None, calibrate, verify, None, segments)
+    """Planned without nested options, which scanned blocks do not get (yet): like for like."""
+    config = make_config(budget_mb, None, None, calibrate, verify, None, segments, False)
     return _planner.get_plan(type(model).__call__, make_spec(model, (x,), {}), model, config)
 
 
