@@ -25,6 +25,12 @@ class Checkpointed(eqx.Module):
     module: Any
     policy: Any = eqx.field(static=True)
 
+    def __getattr__(self, name: str) -> Any:
+        """Attribute reads the forward makes on the wrapped sub-module (`self.fc.weight`) reach it."""
+        if name.startswith("__") or name == "module":
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return eqx.filter_checkpoint(call_module, policy=self.policy)(self.module, *args, **kwargs)
 

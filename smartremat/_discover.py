@@ -197,6 +197,12 @@ class _Probe(eqx.Module):
     index: int = eqx.field(static=True)
     recorder: _Recorder = eqx.field(static=True)
 
+    def __getattr__(self, name: str) -> Any:
+        """Attribute reads the forward makes on the wrapped sub-module (`self.fc.weight`) reach it."""
+        if name.startswith("__") or name == "module":
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
     def __call__(self, *args, **kwargs):
         try:
             spec = make_spec(self.module, args, kwargs)

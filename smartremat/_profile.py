@@ -200,7 +200,7 @@ def _profile_uncached(spec: CallSpec, call: Callable, menu: tuple, calibrate: bo
     options = []
     for j, (policy, internal, args, merged, recompute, sig, _) in enumerate(raw):
         measured = calibrated[j] if calibrated is not None else None
-        saved = measured if measured is not None else internal + args
+        saved = max(measured, 0) if measured is not None else internal + args
         peak = peaks[j] if peaks is not None else internal + args + _transient(raw[0])
         options.append(PolicyProfile(
             policy_name(policy), policy, int(saved), int(max(peak, saved)), int(internal + args),

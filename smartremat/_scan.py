@@ -45,6 +45,12 @@ class _Marked(eqx.Module):
     module: Any
     tag: int = eqx.field(static=True)
 
+    def __getattr__(self, name: str) -> Any:
+        """Attribute reads the forward makes on the wrapped sub-module (`self.fc.weight`) reach it."""
+        if name.startswith("__") or name == "module":
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with jax.named_scope(f"{_TAG}{self.tag}"):
             return self.module(*args, **kwargs)

@@ -72,3 +72,31 @@ def test_block_under_scan_is_counted_per_iteration_not_once():
     layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 8, key=k))(jax.random.split(jax.random.key(0), 6))
     plan = smartremat.explain(Scanned(layers), jnp.ones(8), budget_mb=1)
     assert [(b.type, b.calls) for b in plan.blocks] == [("Linear", 6)] and len(plan.stages) == 6
+
+
+class ReadsWeights(eqx.Module):
+    """Calls one sub-module and reads another's arrays directly (as GPT-style MLPs often do)."""
+
+    inner: eqx.nn.Linear
+    fc: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.inner(x) @ self.fc.weight.T + self.fc.bias
+
+
+class Outer(eqx.Module):
+    blocks: list
+
+    def __call__(self, x):
+        for b in self.blocks:
+            x = jax.vmap(b)(x)
+        return x
+
+
+def test_attribute_reads_on_sub_modules_reach_them_through_probes_and_wrappers():
+    keys = jax.random.split(jax.random.key(0), 6)
+    model = Outer([ReadsWeights(eqx.nn.Linear(16, 16, key=a), eqx.nn.Linear(16, 16, key=b))
+                   for a, b in zip(keys[:3], keys[3:])])
+    plan = smartremat.explain(model, jnp.ones((8, 16)), budget_mb=1)
+    assert [b.type for b in plan.blocks] == ["ReadsWeights"] * 3
+    assert all(o.saved_bytes >= 0 for b in plan.blocks for o in b.options)
