@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import smartremat
+from benchmarks.fit_report import Stack
 
 MB = smartremat.MB
 
@@ -57,15 +58,6 @@ class Block(eqx.Module):
 
     def __call__(self, x):
         return x + jnp.matmul(jax.nn.gelu(x @ self.w1), self.w2, out_sharding=self.out)
-
-
-class Stack(eqx.Module):
-    blocks: list
-
-    def __call__(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
 
 
 class Uniform(eqx.Module):

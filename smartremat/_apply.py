@@ -7,7 +7,7 @@ from typing import Any
 
 import equinox as eqx
 
-from ._discover import Path, get_at, replace_at
+from ._discover import Path, Wrapper, get_at, replace_at
 
 
 def call_module(module: Any, *args: Any, **kwargs: Any) -> Any:
@@ -15,7 +15,7 @@ def call_module(module: Any, *args: Any, **kwargs: Any) -> Any:
     return module(*args, **kwargs)
 
 
-class Checkpointed(eqx.Module):
+class Checkpointed(Wrapper):
     """A sub-module whose call runs under `eqx.filter_checkpoint(policy=...)`.
 
     Only ever built inside the forward, so the user's model and its gradient pytree keep
@@ -24,12 +24,6 @@ class Checkpointed(eqx.Module):
 
     module: Any
     policy: Any = eqx.field(static=True)
-
-    def __getattr__(self, name: str) -> Any:
-        """Attribute reads the forward makes on the wrapped sub-module (`self.fc.weight`) reach it."""
-        if name.startswith("__") or name == "module":
-            raise AttributeError(name)
-        return getattr(self.module, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return eqx.filter_checkpoint(call_module, policy=self.policy)(self.module, *args, **kwargs)

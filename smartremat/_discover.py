@@ -157,11 +157,11 @@ def _contexts(jaxpr, ctx: tuple = ()) -> Iterator[tuple[int, tuple]]:
     for k, eqn in enumerate(jaxpr.eqns):
         for s in _serials(eqn):
             yield s, ctx
-        for sub in _subjaxprs(eqn):
+        for sub in subjaxprs(eqn):
             yield from _contexts(sub, ctx + ((k, eqn),))
 
 
-def _subjaxprs(eqn):
+def subjaxprs(eqn):
     for v in eqn.params.values():
         for item in (v if isinstance(v, (list, tuple)) else [v]):
             j = getattr(item, "jaxpr", item)
@@ -192,16 +192,20 @@ class _Recorder:
         self.calls: list[tuple[int, CallSpec | None]] = []
 
 
-class _Probe(eqx.Module):
-    module: Any
-    index: int = eqx.field(static=True)
-    recorder: _Recorder = eqx.field(static=True)
+class Wrapper(eqx.Module):
+    """Base of smartremat's wrappers around a sub-module (`module`): attribute reads the forward
+    makes on the sub-module (`self.fc.weight`) reach it through the wrapper."""
 
     def __getattr__(self, name: str) -> Any:
-        """Attribute reads the forward makes on the wrapped sub-module (`self.fc.weight`) reach it."""
         if name.startswith("__") or name == "module":
             raise AttributeError(name)
         return getattr(self.module, name)
+
+
+class _Probe(Wrapper):
+    module: Any
+    index: int = eqx.field(static=True)
+    recorder: _Recorder = eqx.field(static=True)
 
     def __call__(self, *args, **kwargs):
         try:

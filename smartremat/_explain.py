@@ -14,7 +14,7 @@ from ._spec import make_spec, vmapped_spec
 
 
 def explain(
-    model: Any, *args: Any, budget_mb: float | None = None, vmap: bool = False, **kwargs: Any
+    model: Any, *args: Any, budget_mb: float | None = None, vmap: bool | str = False, **kwargs: Any
 ) -> Plan:
     """The `Plan` smartremat makes for `model(*args, **kwargs)`: what it chose, and why.
 
@@ -27,7 +27,8 @@ def explain(
     - `budget_mb`: overrides the decorator's budget; required for a plain module.
     - `vmap`: explain the plan for `jax.vmap(model)(*args)` instead, where axis 0 of every
       array argument is the batch (the budget then counts the whole batch, as it does when
-      the decorated module runs under `jax.vmap`).
+      the decorated module runs under `jax.vmap`). A string is the vmap's `axis_name`, as in
+      `jax.vmap(model, axis_name="batch")` (needed by collectives such as BatchNorm's).
 
     **Returns:**
 
@@ -54,5 +55,8 @@ def explain(
             config = dataclasses.replace(
                 config, budget_bytes=_check_budget(budget_mb, "explain(budget_mb=...)"),
                 budget_mb=float(budget_mb))
-    spec = vmapped_spec(module, args, kwargs) if vmap else make_spec(module, args, kwargs)
+    if vmap is False or vmap is None:
+        spec = make_spec(module, args, kwargs)
+    else:
+        spec = vmapped_spec(module, args, kwargs, None if vmap is True else vmap)
     return _planner.get_plan(call, spec, module, config)

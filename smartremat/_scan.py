@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from . import _jax_private
-from ._discover import Path, get_at, replace_at
+from ._discover import Path, Wrapper, get_at, replace_at, subjaxprs
 from ._spec import abstract
 
 
@@ -39,17 +39,11 @@ class Segments:
 _TAG = "smartremat_scan_"
 
 
-class _Marked(eqx.Module):
+class _Marked(Wrapper):
     """The scanned block, its equations tagged so the scan that runs it can be found."""
 
     module: Any
     tag: int = eqx.field(static=True)
-
-    def __getattr__(self, name: str) -> Any:
-        """Attribute reads the forward makes on the wrapped sub-module (`self.fc.weight`) reach it."""
-        if name.startswith("__") or name == "module":
-            raise AttributeError(name)
-        return getattr(self.module, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with jax.named_scope(f"{_TAG}{self.tag}"):
@@ -99,17 +93,9 @@ def _tagged(jaxpr, tag: int) -> bool:
     for eqn in jaxpr.eqns:
         if pattern.search(str(getattr(eqn.source_info, "name_stack", ""))):
             return True
-        if any(_tagged(sub, tag) for sub in _subjaxprs(eqn)):
+        if any(_tagged(sub, tag) for sub in subjaxprs(eqn)):
             return True
     return False
-
-
-def _subjaxprs(eqn):
-    for v in eqn.params.values():
-        for item in (v if isinstance(v, (list, tuple)) else [v]):
-            j = getattr(item, "jaxpr", item)
-            if hasattr(j, "eqns"):
-                yield j
 
 
 def _find_scan(jaxpr, tag: int) -> int:

@@ -153,7 +153,7 @@ _AUTO_MESH = (
 )
 
 
-def vmapped_spec(module: Any, args: tuple, kwargs: dict) -> CallSpec:
+def vmapped_spec(module: Any, args: tuple, kwargs: dict, axis_name: Any = None) -> CallSpec:
     """The spec the decorator records for `jax.vmap(module)(*args, **kwargs)` (axis 0 of
     every array in `args`/`kwargs` is the batch, the module is not batched)."""
     base = make_spec(module, args, kwargs)
@@ -168,7 +168,7 @@ def vmapped_spec(module: Any, args: tuple, kwargs: dict) -> CallSpec:
             f"axis; got leading sizes {sorted(sizes)}. Pass the batched inputs you would give "
             "to `jax.vmap(model)`."
         )
-    return CallSpec(base.treedef, base.dynamic, base.static, in_axes, sizes.pop())
+    return CallSpec(base.treedef, base.dynamic, base.static, in_axes, sizes.pop(), axis_name)
 
 
 _NESTED_VMAP = (

@@ -57,6 +57,37 @@ def test_vmap_budget_counts_whole_batch(model):
     assert plans[32].compiled_peak_bytes <= plans[32].budget_bytes
 
 
+class Centred(eqx.Module):
+    """A block whose forward averages over the vmapped batch, as BatchNorm does."""
+
+    lin: eqx.nn.Linear
+
+    def __call__(self, x):
+        h = jax.nn.gelu(self.lin(x))
+        return x + h - jax.lax.pmean(h, "batch")
+
+
+class CentredStack(eqx.Module):
+    blocks: list
+
+    def __call__(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_vmap_axis_name_reaches_profiling_and_explain(monkeypatch):
+    model = CentredStack([Centred(eqx.nn.Linear(32, 32, key=k)) for k in jax.random.split(jax.random.key(0), 3)])
+    wrapped, xs = sr(budget_mb=0.05)(model), jnp.ones((64, 32))
+    jax.vmap(wrapped, axis_name="batch")(xs)  # plans: the blocks' pmean needs the axis name
+    monkeypatch.setattr(_planner, "make_plan", lambda *a: pytest.fail("explain should reuse the plan"))
+    plan = smartremat.explain(wrapped, xs, vmap="batch")  # the decorator's own cache entry
+    assert plan.compiled_peak_bytes <= plan.budget_bytes
+    monkeypatch.undo()
+    with pytest.raises(NameError, match="unbound axis name: batch"):
+        smartremat.explain(wrapped, xs, vmap=True)
+
+
 def test_second_call_neither_reprofiles_nor_retraces(model, monkeypatch):
     profiled, traced = [], []
     real = _planner.profile_block
