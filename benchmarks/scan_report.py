@@ -2,8 +2,7 @@
 
     python benchmarks/scan_report.py [--layers 12] [--d 128] [--seq 128] [--batch 4] [--out PATH]
 
-Nested options are off for both (scanned blocks do not get them yet), so both are planned
-over the same options. Part 1 plans with smartremat's model alone (`calibrate=False, verify=False`, so both models
+Nested options are off for both, so the comparison isolates what the scan itself costs. Part 1 plans with smartremat's model alone (`calibrate=False, verify=False`, so both models
 are planned from the same kind of figures) at budgets between the lowest reachable peak and
 no remat: predicted peak and recompute of the unrolled model, of the scanned model with
 `scan_segments=2` (the default) and with `scan_segments=1` (one policy for the whole scan).

@@ -37,13 +37,14 @@ def run(module: Any, call: Callable, assignment: Assignment, args: tuple, kwargs
 
     A policy of `None` leaves that block alone; the empty path means the module's own call.
     A `Segments` policy (a scanned block with different policies on pieces of its scan)
-    splits that scan.
+    splits that scan; a nested option (`_nested.Nested`) stands for its sub-blocks' entries.
     """
     from ._scan import Segments, run_pieces
 
     assignment = tuple((p, _single(pol) if isinstance(pol, Segments) else pol) for p, pol in assignment)
     if any(isinstance(pol, Segments) for _, pol in assignment):
         return run_pieces(module, call, assignment, args, kwargs, run)
+    assignment = _expand_nested(assignment)
     own = [pol for path, pol in assignment if path == ()]
     paths = [p for p, pol in assignment if p != () and pol is not None]
     pols = [pol for p, pol in assignment if p != () and pol is not None]
@@ -57,3 +58,12 @@ def _single(segments: Any) -> Any:
     """A `Segments` whose pieces share one policy is just that policy."""
     pols = segments.policies()
     return pols[0] if len(pols) == 1 else segments
+
+
+def _expand_nested(assignment: Assignment) -> Assignment:
+    """`(path, Nested)` -> one `(path + child, policy)` per sub-block; the block itself left alone."""
+    out = []
+    for path, pol in assignment:
+        children = getattr(pol, "children", None) if hasattr(pol, "smartremat_name") else None
+        out += [(path + child, p) for child, p in children] if children is not None else [(path, pol)]
+    return tuple(out)

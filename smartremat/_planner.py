@@ -106,7 +106,7 @@ def _menus(calls: tuple[BlockCall, ...], config: Config) -> tuple[tuple, ...]:
     found: dict = {}
     out = []
     for c in calls:
-        if not config.nested or c.scan is not None or c.path == ():
+        if not config.nested or c.path == ():
             out.append(config.policies)
             continue
         key = c.spec.key()
@@ -275,8 +275,8 @@ def _blocks(model: Model, config: Config, choice: tuple[int, ...]) -> tuple[Plan
     out = []
     for path, (c, prof) in first.items():
         pol = chosen[path]
-        shown = [o for o in prof.options if o.name in _menu_names(config) or o.name == policy_name(pol)
-                 or policy_name(pol) in o.merged]
+        used = {policy_name(q) for _, _, q in pol.pieces} if isinstance(pol, Segments) else {policy_name(pol)}
+        shown = [o for o in prof.options if o.name in _menu_names(config) | used or used & set(o.merged)]
         saved, peak, cost = _figures(shown, scanned=c.scan is not None)
         figures = tuple(PolicyFigures(o.name, s, pk, f, o.merged)
                         for o, s, pk, f in zip(shown, saved, peak, cost))

@@ -12,6 +12,7 @@ import jax
 
 from ._plan import MB, Plan, PlanBlock, PolicyFigures
 from ._policies import DEFAULT_POLICIES, policy_name
+from ._nested import Nested
 from ._scan import Segments
 from ._spec import CallSpec
 
@@ -84,12 +85,17 @@ def _policy(name: str) -> Any:
 
 
 def _policy_json(pol: Any) -> Any:
+    """A policy, a `Segments` or a nested option as JSON (names, paths as lists)."""
     if isinstance(pol, Segments):
-        return {"segments": [[a, b, policy_name(p)] for a, b, p in pol.pieces]}
+        return {"segments": [[a, b, _policy_json(p)] for a, b, p in pol.pieces]}
+    if isinstance(pol, Nested):
+        return {"nested": [[[list(step) for step in path], policy_name(p)] for path, p in pol.children]}
     return policy_name(pol)
 
 
 def _policy_of_json(pol: Any) -> Any:
-    if isinstance(pol, dict):
-        return Segments(tuple((int(a), int(b), _policy(name)) for a, b, name in pol["segments"]))
+    if isinstance(pol, dict) and "segments" in pol:
+        return Segments(tuple((int(a), int(b), _policy_of_json(p)) for a, b, p in pol["segments"]))
+    if isinstance(pol, dict) and "nested" in pol:
+        return Nested(tuple((tuple(tuple(step) for step in path), _policy(name)) for path, name in pol["nested"]))
     return _policy(pol)

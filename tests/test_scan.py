@@ -20,9 +20,9 @@ from models import ScannedTransformer, Transformer
 N, D, HEADS, T, B = 12, 64, 4, 64, 4
 
 
-def plan_of(model, x, budget_mb, segments=2, calibrate=False, verify=False):
-    """Planned without nested options, which scanned blocks do not get (yet): like for like."""
-    config = make_config(budget_mb, None, None, calibrate, verify, None, segments, False)
+def plan_of(model, x, budget_mb, segments=2, calibrate=False, verify=False, nested=False):
+    """The model alone by default, and without nested options (tested below) unless asked."""
+    config = make_config(budget_mb, None, None, calibrate, verify, None, segments, nested)
     return _planner.get_plan(type(model).__call__, make_spec(model, (x,), {}), model, config)
 
 
@@ -104,3 +104,22 @@ def test_segmented_plan_round_trips_through_json(tmp_path):
     plan.save(tmp_path / "plan.json")
     loaded = smartremat.load_plan(tmp_path / "plan.json")
     assert loaded.assignment == plan.assignment and loaded.blocks == plan.blocks
+
+
+def test_scanned_layers_get_nested_options_per_piece(tmp_path):
+    """Pieces of a scan may recompute only the layers' MLP (or attention): cheaper than any
+    layer-level plan at this budget, with the gradients of no remat, and saved as JSON."""
+    model = ScannedTransformer(6, 32, 4, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(3), (2, 32, 32))
+    top = plan_of(model, x, 1e6, nested=True)
+    b = float(np.linspace(top.min_peak_bytes, top.no_remat_peak_bytes, 7)[3] / 2**20)
+    nested, flat = plan_of(model, x, b, nested=True), plan_of(model, x, b)
+    assert nested.recompute_flops < flat.recompute_flops
+    assert any(blk.policy.startswith("nested(") for blk in nested.blocks)
+    wrapped = smartremat.smartremat(b, calibrate=False, verify=False)(model)
+    assert smartremat.explain(wrapped, x).assignment == nested.assignment
+    loss = lambda m, x: jnp.sum(jnp.tanh(m(x)))
+    want = eqx.filter_jit(eqx.filter_grad(loss))(model, x)
+    assert tree_allclose(eqx.filter_jit(eqx.filter_grad(loss))(wrapped, x).module, want, rtol=1e-6)
+    nested.save(tmp_path / "plan.json")
+    assert smartremat.load_plan(tmp_path / "plan.json").assignment == nested.assignment
