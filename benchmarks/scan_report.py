@@ -1,6 +1,6 @@
 """Scanned vs unrolled: a 12-layer transformer written both ways, planned at the same budgets.
 
-    python benchmarks/scan_report.py [--layers 12] [--d 128] [--seq 128] [--batch 4] [--out PATH]
+    python benchmarks/scan_report.py [--layers 12] [--d 128] [--seq 256] [--batch 8] [--out PATH]
 
 Nested options are off for both, so the comparison isolates what the scan itself costs. Part 1 plans with smartremat's model alone (`calibrate=False, verify=False`, so both models
 are planned from the same kind of figures) at budgets between the lowest reachable peak and
@@ -114,8 +114,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -5,7 +5,8 @@
 Runs in its own process: it sets `XLA_FLAGS=--xla_force_host_platform_device_count=8` (and, on
 CPU, the barrier flag of design.md fact 1) before JAX starts. A residual MLP stack is trained
 data parallel over a mesh `('data',)` of 8 and over a 2-D mesh `('data', 'model')` of 4 x 2
-(Megatron-style: the first weight split by columns, the second by rows), both with Explicit
+(Megatron-style: the first weight split by columns, the second by rows), and a per-example model
+called as `jax.vmap(model)(x)` on the data-parallel mesh (`dp_vmap`), all with Explicit
 axes (`jax.make_mesh`'s default), parameters and inputs placed with `NamedSharding`. At
 budgets between the per-device compiled temp of full remat and of no remat it reports the
 plan's per-device predicted peak, the compiled per-device temp of the real sharded training
@@ -83,12 +84,13 @@ def step_temp(model, x) -> int:
 
 def layout(name: str, d: int, hidden: int, n: int, batch: int):
     """`(mesh, model, x)` with parameters and inputs placed on the mesh."""
-    if name == "dp":
+    if name in ("dp", "dp_vmap"):
         mesh, w1, w2 = jax.make_mesh((8,), ("data",)), P(), P()
     else:
         mesh, w1, w2 = jax.make_mesh((4, 2), ("data", "model")), P(None, "model"), P("model", None)
     keys = jax.random.split(jax.random.key(0), n)
-    model = Stack([Block(d, hidden, P("data", None), k) for k in keys])
+    out = None if name == "dp_vmap" else P("data", None)  # per example under vmap: no batch axis
+    model = Stack([Block(d, hidden, out, k) for k in keys])
     shard = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
     model = Stack([eqx.tree_at(lambda b: (b.w1, b.w2), b, (shard(b.w1, w1), shard(b.w2, w2)))
                    for b in model.blocks])
@@ -96,24 +98,35 @@ def layout(name: str, d: int, hidden: int, n: int, batch: int):
     return mesh, model, x
 
 
+class Batched(eqx.Module):
+    """`jax.vmap(model)(x)`: the Equinox idiom of a per-example model called on a batch."""
+
+    model: eqx.Module
+
+    def __call__(self, x):
+        return jax.vmap(self.model)(x)
+
+
 def run_layout(name: str, d: int, hidden: int, n: int, batch: int) -> dict:
     mesh, model, x = layout(name, d, hidden, n, batch)
+    vmapped = name == "dp_vmap"
+    outer = Batched if vmapped else (lambda m: m)
     with jax.set_mesh(mesh):
         uniform = lambda pol: Stack([Uniform(b, pol) for b in model.blocks])
-        full, none = step_temp(uniform(jax.checkpoint_policies.nothing_saveable), x), step_temp(model, x)
-        want = eqx.filter_jit(eqx.filter_grad(loss))(model, x)
+        full = step_temp(outer(uniform(jax.checkpoint_policies.nothing_saveable)), x)
+        none = step_temp(outer(model), x)
+        want = eqx.filter_jit(eqx.filter_grad(loss))(outer(model), x)
         rows = []
         for b in np.linspace(full, none, 5)[1:-1] / MB:
             wrapped = smartremat.smartremat(float(b))(model)
-            plan = smartremat.explain(wrapped, x)
-            got = eqx.filter_jit(eqx.filter_grad(loss))(wrapped, x)
+            got = eqx.filter_jit(eqx.filter_grad(loss))(outer(wrapped), x)
+            plan = smartremat.explain(wrapped, x, vmap=vmapped)
             diff = max(float(jnp.max(jnp.abs(g - w)) / jnp.max(jnp.abs(w)))
-                       for g, w in zip(jax.tree.leaves(got.module), jax.tree.leaves(want)))
+                       for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
             rows.append({"budget_mb": float(b), "predicted_mb": plan.predicted_peak_bytes / MB,
-                         "compiled_mb": step_temp(wrapped, x) / MB,
+                         "compiled_mb": step_temp(outer(wrapped), x) / MB,
                          "plan_compiled_mb": plan.compiled_peak_bytes / MB,
-                         "policies": [blk.policy for blk in plan.blocks], "grad_rel_diff": diff,
-                         "block_none_kept_mb": plan.blocks[0].options[0].saved_bytes / MB})
+                         "policies": [blk.policy for blk in plan.blocks], "grad_rel_diff": diff})
     return {"layout": name, "mesh": dict(mesh.shape), "full_mb": full / MB, "none_mb": none / MB,
             "predicted_none_mb": plan.no_remat_peak_bytes / MB,
             "one_device_predicted_none_mb": one_device_none(d, hidden, n, batch), "rows": rows}
@@ -149,7 +162,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the markdown tables here")
     args = ap.parse_args()
     d, hidden, n, batch = (32, 256, 4, 4096) if args.quick else (256, 1024, 6, 4096)
-    results = [run_layout(name, d, hidden, n, batch) for name in ("dp", "2d")]
+    results = [run_layout(name, d, hidden, n, batch) for name in ("dp", "2d", "dp_vmap")]
     lines = [f"Sharded fit, jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].device_kind}; "
              f"{n} blocks d={d} hidden={hidden}, global batch {batch}", ""]
     for r in results:

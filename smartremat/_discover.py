@@ -11,6 +11,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
+from ._cost import aval_bytes
 from ._spec import CallSpec, make_spec
 
 Path = tuple[tuple[str, Any], ...]
@@ -127,6 +128,7 @@ class ScanSite:
     eqn: int
     length: int
     reverse: bool
+    xs_bytes: int = 0  # per iteration: bytes of the scanned operands' slices (per device)
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,9 @@ def _sites(jaxpr) -> dict[int, ScanSite | None | str]:
             site: ScanSite | None | str = None
         elif len(loops) == 1 and ctx[0][1] is loops[0][1] and loops[0][1].primitive.name == "scan":
             k, e = loops[0]
-            site = ScanSite(k, int(e.params["length"]), bool(e.params["reverse"]))
+            n = int(e.params["length"])
+            xs = e.invars[e.params["num_consts"] + e.params["num_carry"]:]
+            site = ScanSite(k, n, bool(e.params["reverse"]), sum(aval_bytes(v.aval) for v in xs) // max(n, 1))
         else:
             site = "a while loop, a nested loop, or a scan inside another transformation"
         out.setdefault(serial, site)
@@ -245,6 +249,13 @@ def discover(
         if s is not None:
             calls.append(BlockCall(candidates[i][0], type(candidates[i][1]).__name__, s, site))
     _check_scans(calls)
+    if spec.axis_size is not None and any(c.scan is not None for c in calls):
+        raise NotImplementedError(
+            "smartremat found a block run by `jax.lax.scan` while the module runs under `jax.vmap`: "
+            "JAX traces the scan body one example at a time, so smartremat cannot see how much of "
+            "it the batch multiplies. Call the module on the whole batch (vmap inside the layers), "
+            "or run it outside `jax.vmap`."
+        )
     if not calls:
         if blocks is not None:
             raise ValueError(

@@ -8,6 +8,7 @@ attributes are missing, `batch_axes` reports "not batched" and the decorator war
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 try:  # private: jax._src.interpreters.{batching,ad}
@@ -70,5 +71,23 @@ def bind_equation(eqn: Any, invals: list) -> list:
     """
     got = eqn.primitive.get_bind_params(eqn.params)
     subfuns, params = got if isinstance(got, tuple) else ((), got)
-    outs = eqn.primitive.bind(*subfuns, *invals, **params)
+    with _equation_context(eqn):
+        outs = eqn.primitive.bind(*subfuns, *invals, **params)
     return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _equation_context(eqn: Any) -> Any:
+    """The equation's own context (XLA metadata, `compute_on`, ...) and its name stack, entered
+    as `jax.core.eval_jaxpr` does; private `source_info_util`, or only the context without it."""
+    manager = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
+    try:
+        from jax._src import source_info_util as siu
+
+        names = siu.current_name_stack() + eqn.source_info.name_stack
+        user = siu.user_context(eqn.source_info.traceback, name_stack=names)
+    except (ImportError, AttributeError):
+        user = contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(user)
+    stack.enter_context(manager)
+    return stack

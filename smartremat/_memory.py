@@ -24,7 +24,9 @@ class Stage:
     Stages with the same `group` are calls of the same block and must take the same option.
     Consecutive stages with the same `run` are the iterations of one `jax.lax.scan`: their
     options may change along the run, but the run splits into at most `segments` pieces of
-    one option each (each piece becomes its own scan).
+    one option each (each piece becomes its own scan). A split run's pieces read copies of
+    their slices of the scanned operands (the stacked parameters), `split_extra` bytes per
+    iteration kept from the piece's forward to its backward; a whole run copies nothing.
     """
 
     saved: tuple[int, ...]
@@ -33,6 +35,7 @@ class Stage:
     group: int
     run: int | None = None
     segments: int = 1
+    split_extra: int = 0
 
     def __post_init__(self):
         if not (len(self.saved) == len(self.peak) == len(self.cost) > 0):
@@ -43,10 +46,12 @@ class Stage:
 
 def peak_of(stages: Sequence[Stage], choice: Sequence[int], offset: int = 0) -> int:
     """Modelled peak bytes of `choice` (one option index per stage)."""
+    split = {r for r, n in segments_of(stages, choice).items() if n > 1}
     kept, worst = 0, 0
     for st, c in zip(stages, choice, strict=True):
-        worst = max(worst, kept + st.peak[c])
-        kept += st.saved[c]
+        extra = st.split_extra if st.run in split else 0
+        worst = max(worst, kept + st.peak[c] + extra)
+        kept += st.saved[c] + extra
     return offset + worst
 
 

@@ -95,7 +95,7 @@ def build_model(call: Callable, spec: CallSpec, module: Any, config: Config) -> 
             continue
         for _ in range(c.scan.length):  # each iteration its own group, pieces limited per run
             stages.append(Stage(*_figures(opts, scanned=True), len(groups) + len(stages), c.scan.eqn,
-                                config.scan_segments))
+                                config.scan_segments, c.scan.xs_bytes))
             owner.append(ci)
     fixed = _fixed_bytes(call, spec, calls, profiles, config)
     return Model(calls, profiles, tuple(stages), fixed, tuple(owner), menus)
@@ -109,10 +109,9 @@ def _menus(calls: tuple[BlockCall, ...], config: Config) -> tuple[tuple, ...]:
         if not config.nested or c.path == ():
             out.append(config.policies)
             continue
-        key = c.spec.key()
-        if key not in found:
-            found[key] = nested_options(c, config.policies)
-        out.append(config.policies + found[key])
+        if c.path not in found:  # one menu per block: its calls are tied by option index
+            found[c.path] = nested_options(c, config.policies)
+        out.append(config.policies + found[c.path])
     return tuple(out)
 
 
@@ -133,6 +132,7 @@ def _fixed_bytes(call, spec, calls, profiles, config) -> int:
     if len(calls) == 1 and calls[0].path == ():
         return 0
     full = jax.checkpoint_policies.nothing_saveable
+    full = full if full in config.policies else config.policies[-1]  # any menu policy will do
     assignment = tuple((c.path, full) for c in dict((c.path, c) for c in calls).values())
     f = spec.function(lambda m, *a, **k: run(m, call, assignment, a, k))
     internal, _, _ = _residuals(f, spec, n_module_leaves(spec))

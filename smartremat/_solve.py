@@ -54,28 +54,30 @@ def _only(st: Stage, o: int) -> Stage:
     return Stage(
         tuple(v if k == o else big for k, v in enumerate(st.saved)),
         tuple(v if k == o else big for k, v in enumerate(st.peak)),
-        st.cost, st.group, st.run, st.segments)
+        st.cost, st.group, st.run, st.segments, st.split_extra)
 
 
 def _solve_free(stages: Sequence[Stage], limit: int, cap: int | None = None) -> Solution | None:
     """DP over (kept bytes, cost); with `cap`, states costing more are dropped (costs are >= 0).
 
-    Inside a scan run a state also carries its current option and pieces used so far, and
-    dominance is only applied between states with the same such label.
+    Inside a scan run a state also carries its current option, the pieces used so far and
+    whether the run was declared split at its start (a split run keeps `split_extra` more bytes
+    per iteration, a whole one allows one piece); dominance is only applied between states with
+    the same such label.
     """
-    kept, cost = np.zeros(1, np.int64), np.zeros(1, np.int64)
-    prev, segs = np.full(1, -1, np.int64), np.zeros(1, np.int64)
+    state = (np.zeros(1, np.int64),) * 2 + (np.full(1, -1, np.int64),) + (np.zeros(1, np.int64),) * 2
     back: list[tuple[np.ndarray, np.ndarray]] = []
     for i, st in enumerate(stages):
         cont = st.run is not None and i > 0 and stages[i - 1].run == st.run
-        parts = [_expand(st, o, kept, cost, prev, segs, cont, limit, cap) for o in range(len(st.saved))]
-        k, c, p, op, pv, sg = (np.concatenate(x) for x in zip(*parts))
+        starts = (0, 1) if st.run is not None and not cont and st.segments > 1 else (0,)
+        parts = [_expand(st, o, state, cont, m, limit, cap) for o in range(len(st.saved)) for m in starts]
+        k, c, p, op, pv, sg, md = (np.concatenate(x) for x in zip(*parts))
         if len(k) == 0:
             return None
-        keep = _pareto(k, c, (pv + 1) * (st.segments + 2) + sg)
-        kept, cost, prev, segs = k[keep], c[keep], pv[keep], sg[keep]
+        keep = _pareto(k, c, ((pv + 1) * (st.segments + 2) + sg) * 2 + md)
+        state = (k[keep], c[keep], pv[keep], sg[keep], md[keep])
         back.append((p[keep], op[keep]))
-    i = int(np.argmin(cost))
+    i = int(np.argmin(state[1]))
     choice = []
     for p, op in reversed(back):
         choice.append(int(op[i]))
@@ -84,20 +86,26 @@ def _solve_free(stages: Sequence[Stage], limit: int, cap: int | None = None) -> 
     return Solution(tuple(choice), peak_of(stages, choice), cost_of(stages, choice))
 
 
-def _expand(st: Stage, o: int, kept, cost, prev, segs, cont: bool, limit: int, cap: int | None):
+def _expand(st: Stage, o: int, state: tuple, cont: bool, start_mode: int, limit: int, cap: int | None):
     """The states reached from every current state by taking option `o` at stage `st`."""
-    feasible = (kept + st.peak[o] <= limit) & (st.peak[o] < _FORBIDDEN)
+    kept, cost, prev, segs, mode = state
+    if st.run is None:
+        mode = np.zeros_like(mode)
+    elif not cont:
+        mode = np.full_like(mode, start_mode)
+    extra = st.split_extra * mode
+    feasible = (kept + st.peak[o] + extra <= limit) & (st.peak[o] < _FORBIDDEN)
     if cap is not None:
         feasible &= cost + st.cost[o] <= cap
     if st.run is None:
         new_segs = np.zeros_like(segs)
     else:
         new_segs = segs + (prev != o) if cont else np.ones_like(segs)
-        feasible &= new_segs <= st.segments
+        feasible &= new_segs <= np.where(mode == 1, st.segments, 1)
     ok = np.nonzero(feasible)[0]
     new_prev = np.full(len(ok), o if st.run is not None else -1, np.int64)
-    return (kept[ok] + st.saved[o], cost[ok] + st.cost[o], ok, np.full(len(ok), o, np.int64),
-            new_prev, new_segs[ok])
+    return (kept[ok] + st.saved[o] + extra[ok], cost[ok] + st.cost[o], ok, np.full(len(ok), o, np.int64),
+            new_prev, new_segs[ok], mode[ok])
 
 
 def _pareto(k: np.ndarray, c: np.ndarray, label: np.ndarray) -> np.ndarray:
@@ -172,7 +180,7 @@ def _min_peak_bisect(stages: Sequence[Stage]) -> Solution:
     """Lowest limit any choice fits (bisection on the exact DP), then the cheapest there."""
     variants = [v for v, _ in _tied_variants(stages)]
     lo = 0
-    hi = sum(max(st.saved) for st in stages) + max(max(st.peak) for st in stages)
+    hi = sum(max(st.saved) + st.split_extra for st in stages) + max(max(st.peak) + st.split_extra for st in stages)
     while lo < hi:
         mid = (lo + hi) // 2
         if any(_solve_free(v, mid) is not None for v in variants):

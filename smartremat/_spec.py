@@ -90,13 +90,15 @@ def make_spec(module: Any, args: tuple, kwargs: dict, *, top_level: bool = True)
             dynamic.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=_placed(aval)))
             in_axes.append(None)
             continue
-        bsize, _, btrace = batch
+        bsize, bdim, btrace = batch
         if trace is not None and btrace is not trace:
             raise NotImplementedError(_NESTED_VMAP)
         if _jax_private.is_batched(_jax_private.inner_value(leaf)):
             raise NotImplementedError(_NESTED_VMAP)
         size, trace = bsize, btrace
-        dynamic.append(jax.ShapeDtypeStruct((bsize, *aval.shape), aval.dtype))
+        batched = jax.typeof(_jax_private.inner_value(leaf))
+        dynamic.append(jax.ShapeDtypeStruct((bsize, *aval.shape), aval.dtype,
+                                            sharding=_batch_first(_placed(batched), bdim, len(aval.shape) + 1)))
         in_axes.append(0)
     name = _jax_private.axis_name(trace) if trace is not None else None
     return CallSpec(treedef, tuple(dynamic), tuple(static), tuple(in_axes), size, name)
@@ -130,6 +132,15 @@ def _placed(aval: Any) -> jax.sharding.NamedSharding | None:
     return jax.sharding.NamedSharding(mesh, sharding.spec)
 
 
+def _batch_first(sharding: Any, bdim: int, ndim: int) -> Any:
+    """The sharding of a batched value, its batch axis moved from `bdim` to the front."""
+    if sharding is None:
+        return None
+    spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
+    spec.insert(0, spec.pop(bdim))
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+
+
 def sharding_key(d: jax.ShapeDtypeStruct) -> Any:
     s = getattr(d, "sharding", None)
     if not isinstance(s, jax.sharding.NamedSharding):
@@ -141,7 +152,8 @@ def abstract(x: Any) -> jax.ShapeDtypeStruct:
     """`x`'s shape, dtype and (over several devices) sharding, as seen now."""
     aval = jax.typeof(x)
     sharding = getattr(aval, "sharding", None)
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding if _mesh_of(sharding) else None)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding if _mesh_of(sharding) else None,
+                                weak_type=getattr(aval, "weak_type", False))
 
 
 _AUTO_MESH = (

@@ -2,7 +2,8 @@
 per-device bytes, and the compiled per-device temp of the real sharded step fits.
 
 JAX fixes its device count when it starts, so this runs `benchmarks/sharded_report.py --quick`
-(data parallel over 8, and a 2-D 4 x 2 data x model mesh) in a fresh process."""
+(data parallel over 8, a 2-D 4 x 2 data x model mesh, and a per-example model under
+`jax.vmap(model)(x)` over the data-parallel mesh) in a fresh process."""
 
 import json
 import os
@@ -23,10 +24,10 @@ def report(tmp_path_factory):
     return {r["layout"]: r for r in json.loads(out.read_text())}
 
 
-@pytest.mark.parametrize("layout", ["dp", "2d"])
+@pytest.mark.parametrize("layout", ["dp", "2d", "dp_vmap"])
 def test_per_device_budgets_fit_the_compiled_sharded_step(report, layout):
     r = report[layout]
-    assert r["mesh"] == ({"data": 8} if layout == "dp" else {"data": 4, "model": 2})
+    assert r["mesh"] == ({"data": 4, "model": 2} if layout == "2d" else {"data": 8})
     for row in r["rows"]:
         assert row["compiled_mb"] <= row["budget_mb"] and row["plan_compiled_mb"] <= row["budget_mb"]
         assert row["grad_rel_diff"] <= 1e-6
@@ -34,7 +35,7 @@ def test_per_device_budgets_fit_the_compiled_sharded_step(report, layout):
     assert any(p != "none" for row in r["rows"] for p in row["policies"])
 
 
-@pytest.mark.parametrize("layout", ["dp", "2d"])
+@pytest.mark.parametrize("layout", ["dp", "2d", "dp_vmap"])
 def test_profile_counts_per_device_bytes(report, layout):
     """Activations split over 8 devices: the per-device peak is far below one device's."""
     r = report[layout]

@@ -27,8 +27,9 @@ def scanned_instances(draw):
     segments = draw(st.integers(1, 3))
     stage = lambda g, run: Stage(draw(ints(50)), draw(ints(100)), draw(ints(20)), g, run, segments)
     run = stage(0, 7)  # iterations of a scan share their figures
+    extra = draw(st.integers(0, 30))  # bytes a split run's pieces copy per iteration
     stages = [stage(10 + i, None) for i in range(before)]
-    stages += [Stage(run.saved, run.peak, run.cost, 20 + i, 7, segments) for i in range(length)]
+    stages += [Stage(run.saved, run.peak, run.cost, 20 + i, 7, segments, extra) for i in range(length)]
     stages += [stage(30 + i, None) for i in range(after)]
     return stages, draw(st.integers(0, 600))
 
@@ -107,3 +108,11 @@ def test_tied_block_never_takes_an_option_its_variant_rules_out():
     stages = [Stage((0, 0, 0), (0, 0, 0), (0, 1, 1), 0), Stage((0, 0, 0), (0, 0, 0), (1, 0, 0), 0)]
     assert [(s.peak, s.cost) for s in frontier(stages)] == [(0, 1)]
     assert solve(stages, 10**18).cost == 1
+
+
+def test_splitting_a_scan_pays_for_its_copies():
+    """Two pieces would be cheaper, but their copies of the stacked operands cost the budget."""
+    free = [Stage((10, 1), (20, 11), (0, 5), i, 0, 2, 0) for i in range(6)]
+    dear = [Stage((10, 1), (20, 11), (0, 5), i, 0, 2, 3) for i in range(6)]
+    assert solve(free, 40).choice == (1, 1, 1, 1, 0, 0)
+    assert solve(dear, 40).choice == (1,) * 6 and peak_of(dear, (1, 1, 1, 1, 0, 0)) > 40
