@@ -58,3 +58,19 @@ def test_nested_option_names_its_sub_blocks(nested):
     plan = plan_of(float(budgets()[4]), nested)
     names = {o.name for b in plan.blocks for o in b.options}
     assert any(n.startswith("nested(") for n in names) == nested
+
+
+class TwoShapes(eqx.Module):
+    """One block called on two sequence lengths: its calls are tied, so one nested menu."""
+
+    block: eqx.Module
+
+    def __call__(self, x):
+        return self.block(x).sum() + self.block(jnp.concatenate([x, x], axis=1)).sum()
+
+
+def test_a_block_called_twice_has_one_nested_menu():
+    model = TwoShapes(MODEL.layers[0])
+    config = make_config(1e6, None, None, False, False, None, 2, True)
+    built = _planner.build_model(type(model).__call__, make_spec(model, (X,), {}), model, config)
+    assert len(built.calls) == 2 and built.menus[0] == built.menus[1] and len(built.menus[0]) > 4

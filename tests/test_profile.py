@@ -40,11 +40,13 @@ def test_dots_policies_merge_for_plain_matmuls_not_batched_ones():
     assert names["dots_with_no_batch_dims_saveable"].saved_bytes < names["dots_saveable"].saved_bytes
 
 
-def test_policies_argument_restricts_the_menu():
+@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable"])
+def test_policies_argument_restricts_the_menu(policy):
+    """Any menu works, with or without `nothing_saveable` (the glue's bytes use the menu's last)."""
     model = Transformer(2, 32, 4, jax.random.key(0))
-    wrapped = sr(budget_mb=10, policies=[cp.nothing_saveable], verify=False)(model)
+    wrapped = sr(budget_mb=10, policies=[getattr(cp, policy)], verify=False, nested=False)(model)
     plan = smartremat.explain(wrapped, jnp.ones((2, 16, 32)))
-    assert all([o.name for o in b.options] == ["none", "nothing_saveable"] for b in plan.blocks)
+    assert all([o.name for o in b.options] == ["none", policy] for b in plan.blocks)
 
 
 def test_saved_bytes_follow_the_batch():

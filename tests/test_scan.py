@@ -13,6 +13,9 @@ from smartremat._decorator import make_config
 from smartremat._discover import discover
 from smartremat._spec import make_spec
 from smartremat._verify import compiled_step
+from smartremat._apply import run
+from smartremat._scan import Segments
+from smartremat._discover import subjaxprs
 
 from helpers import tree_allclose
 from models import ScannedTransformer, Transformer
@@ -124,3 +127,45 @@ def test_scanned_layers_get_nested_options_per_piece(tmp_path):
     assert tree_allclose(eqx.filter_jit(eqx.filter_grad(loss))(wrapped, x).module, want, rtol=1e-6)
     nested.save(tmp_path / "plan.json")
     assert smartremat.load_plan(tmp_path / "plan.json").assignment == nested.assignment
+
+
+class Scaled(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def __call__(self, x, scale):
+        with jax.named_scope("user_scope"):
+            return x + scale * jnp.tanh(self.lin(x))
+
+
+class ScaledStack(eqx.Module):
+    layers: Scaled
+
+    def __call__(self, x, scale):
+        params, static = eqx.partition(self.layers, eqx.is_array)
+        x, _ = jax.lax.scan(lambda h, p: (eqx.combine(p, static)(h, scale), None), x, params)
+        return x
+
+
+def test_split_scan_keeps_dtypes_name_scopes_and_values():
+    """The split program binds the traced equations in their context: a Python-float scale stays
+    weakly typed (bf16 stays bf16) and the user's named scopes survive."""
+    layers = eqx.filter_vmap(lambda k: Scaled(eqx.nn.Linear(8, 8, key=k, dtype=jnp.bfloat16)))(jax.random.split(jax.random.key(0), 4))
+    model, x = ScaledStack(layers), jnp.ones(8, jnp.bfloat16)
+    pieces = Segments(((0, 2, jax.checkpoint_policies.nothing_saveable), (2, 4, None)))
+    split = lambda m, x, s: run(m, type(m).__call__, (((("attr", "layers"),), pieces),), (x, s), {})
+    want, got = jax.jit(lambda m, x: m(x, 0.5))(model, x), jax.jit(lambda m, x: split(m, x, 0.5))(model, x)
+    assert got.dtype == want.dtype == jnp.bfloat16 and bool(jnp.all(got == want))
+    assert "user_scope" in " ".join(name_stacks(jax.make_jaxpr(lambda m, x: split(m, x, 0.5))(model, x).jaxpr))
+
+
+def name_stacks(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield str(eqn.source_info.name_stack)
+        for sub in subjaxprs(eqn):
+            yield from name_stacks(sub)
+
+
+def test_scanned_block_under_an_outer_vmap_is_refused():
+    model = ScannedTransformer(2, 16, 2, jax.random.key(0))
+    with pytest.raises(NotImplementedError, match=r"block run by `jax.lax.scan` while the module runs under `jax.vmap`"):
+        smartremat.explain(model, jnp.ones((3, 2, 8, 16)), budget_mb=1, vmap=True)
