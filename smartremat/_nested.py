@@ -20,6 +20,7 @@ from ._apply import call_module, run
 from ._cost import jaxpr_cost
 from ._discover import BlockCall, Path, discover, path_str
 from ._policies import policy_name
+from ._render import short_name
 
 MAX_CHILDREN = 2
 
@@ -36,13 +37,8 @@ class Nested:
 
     @property
     def smartremat_name(self) -> str:
-        inner = ",".join(f"{path_str(p)}={_short(policy_name(pol))}" for p, pol in self.children)
+        inner = ",".join(f"{path_str(p)}={short_name(policy_name(pol))}" for p, pol in self.children)
         return f"nested({inner})"
-
-
-def _short(name: str) -> str:
-    return {"dots_saveable": "dots", "dots_with_no_batch_dims_saveable": "dots_nb",
-            "nothing_saveable": "full"}.get(name, name)
 
 
 def nested_options(call: BlockCall, menu: tuple) -> tuple[Nested, ...]:

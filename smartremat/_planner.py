@@ -156,7 +156,7 @@ def choices_of(model: Model, choice: tuple[int, ...]) -> dict:
     return seen
 
 
-def assignment_of(model: Model, policies: tuple, choice: tuple[int, ...]) -> tuple:
+def assignment_of(model: Model, choice: tuple[int, ...]) -> tuple:
     """`((path, policy or Segments), ...)` to apply: a nested option becomes its sub-blocks'
     entries (paths below the block's), the block itself left alone."""
     out: dict = {}
@@ -230,7 +230,7 @@ def _verified(call, spec, model: Model, config: Config, sol: Solution, lowest: S
                                + [(o,) * len(stages) for o in range(len(config.policies))]))
 
     def measure(choice):
-        return compiled_step(call, spec, assignment_of(model, config.policies, choice))
+        return compiled_step(call, spec, assignment_of(model, choice))
 
     with ThreadPoolExecutor(max(1, min(len(cands), os.cpu_count() or 1))) as pool:
         figures = dict(zip(cands, pool.map(measure, cands)))
@@ -316,7 +316,7 @@ def _assemble(model: Model, config: Config, sol: Solution, lowest: Solution, com
         planning_seconds=seconds,
         backend=jax.default_backend(),
         notes=tuple(_notes(model, sol)),
-        assignment=assignment_of(model, config.policies, sol.choice),
+        assignment=assignment_of(model, sol.choice),
         stages=stages,
         menu=tuple(policy_name(p) for p in config.policies),
         signature=sig,

@@ -38,7 +38,7 @@ def render(plan: Plan) -> str:
         for o in b.options:
             if o.name not in names:
                 names.append(o.name)
-    short = {n: _short(n) for n in names}
+    short = {n: short_name(n) for n in names}
     head = ["block", "type", "calls", "policy"] + [f"MB {short[n]}" for n in names] + ["recompute GFLOP"]
     rows = []
     for label, b, n in _group(plan.blocks):
@@ -53,7 +53,7 @@ def render(plan: Plan) -> str:
     return "\n".join([_table(head, rows), "", *_totals(plan)])
 
 
-def _short(name: str) -> str:
+def short_name(name: str) -> str:
     return {"dots_saveable": "dots", "dots_with_no_batch_dims_saveable": "dots_nb",
             "nothing_saveable": "full"}.get(name, name)
 
@@ -95,7 +95,7 @@ def plot(plan: Plan, path: str) -> None:
     ax.step([p for p, _ in pts], [c / 1e9 for _, c in pts], "k.-", where="post", label="frontier (optimal plans)")
     for name, (peak, cost) in plan.uniform().items():
         ax.scatter(peak, cost / 1e9, marker="s", zorder=3)
-        ax.annotate(_short(name), (peak, cost / 1e9), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.annotate(short_name(name), (peak, cost / 1e9), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.scatter(plan.predicted_peak_bytes / MB, plan.recompute_flops / 1e9, s=80, c="red", zorder=4, label="this plan")
     ax.axvline(plan.budget_bytes / MB, color="red", ls="--", lw=1, label="budget")
     ax.set_xlabel("predicted peak (MB)")
