@@ -76,24 +76,49 @@ def strategy(model: Any, name: str, where: Callable | None) -> Any:
     raise ValueError(f"unknown strategy {name!r}")
 
 
-def loss_of(model: Any, x: Any) -> jax.Array:
-    return jnp.sum(model(x).astype(jnp.float32))
+def output_loss(out: Any, target: Any) -> jax.Array:
+    """A real loss, never `jnp.sum(out)` (a constant cotangent lets XLA simplify the backward):
+    cross-entropy against integer labels (next tokens), else the squared error against `target`."""
+    out = out.astype(jnp.float32)
+    if jnp.issubdtype(target.dtype, jnp.integer):
+        logp = jax.nn.log_softmax(out, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, target[..., None], axis=-1))
+    return jnp.mean((out - target) ** 2)
+
+
+def loss_of(model: Any, x: Any, target: Any) -> jax.Array:
+    return output_loss(model(x), target)
+
+
+def target_of(model: Any, x: Any) -> Any:
+    """The step's targets: the tokens shifted by one for a model of tokens, else fixed noise."""
+    out = jax.eval_shape(model, x)
+    if jnp.issubdtype(x.dtype, jnp.integer) and out.shape[:-1] == x.shape:
+        return jnp.roll(x, -1, axis=-1)
+    return jax.random.normal(jax.random.key(7), out.shape, out.dtype)
+
+
+def exact(model: Any, x: Any) -> dict:
+    """`smartremat(**exact(model, x))` verifies plans on exactly this benchmark's loss."""
+    t = target_of(model, x)
+    return {"loss": output_loss, "loss_args": (jax.ShapeDtypeStruct(t.shape, t.dtype),)}
 
 
 def grad_step(model: Any, x: Any):
-    """`(jitted step, params)`: gradient of the summed output w.r.t. the model's arrays."""
+    """`(jitted step, params, target)`: the gradient of `loss_of` w.r.t. the model's arrays."""
     params, static = eqx.partition(model, eqx.is_array)
-    step = jax.jit(jax.grad(lambda p, a: loss_of(eqx.combine(p, static), a)))
-    return step, params
+    step = jax.jit(jax.grad(lambda p, a, t: loss_of(eqx.combine(p, static), a, t)))
+    return step, params, target_of(model, x)
 
 
 def compile_step(model: Any, x: Any):
-    """`(compiled step, params, temp bytes, FLOPs)` of the training step, compiled once."""
-    step, params = grad_step(model, x)
-    c = step.lower(params, x).compile()
+    """`(step(params, x), params, temp bytes, FLOPs)` of the training step, compiled once."""
+    step, params, target = grad_step(model, x)
+    c = step.lower(params, x, target).compile()
     cost = c.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return c, params, c.memory_analysis().temp_size_in_bytes, float(cost["flops"])
+    run = lambda p, a: c(p, a, target)  # noqa: E731  (the targets are part of the step)
+    return run, params, c.memory_analysis().temp_size_in_bytes, float(cost["flops"])
 
 
 def figures(model: Any, x: Any) -> tuple[int, float]:

@@ -33,7 +33,8 @@ from smartremat import _planner
 from smartremat._decorator import make_config
 from smartremat._profile import compiled_temp
 from smartremat._spec import make_spec
-from smartremat._verify import step_function
+from smartremat._apply import run
+from smartremat._verify import SquaredError, loss_step
 from benchmarks.fit_report import Stack
 from benchmarks.models import GPTBlock
 
@@ -59,7 +60,7 @@ def build(layers: int, d: int):
 
 
 def plan(model, x, budget_mb, segments=2, model_only=True):
-    config = make_config(budget_mb, None, None, not model_only, not model_only, None, segments, False)
+    config = make_config(budget_mb, calibrate=not model_only, verify=not model_only, scan_segments=segments, nested=False)
     return _planner.get_plan(type(model).__call__, make_spec(model, (x,), {}), model, config)
 
 
@@ -89,7 +90,8 @@ def compile_seconds(model, x, assignment, repeat: int) -> tuple[float, int]:
     times, temp = [], 0
     for _ in range(repeat):
         t0 = time.perf_counter()
-        temp, _ = compiled_temp(step_function(type(model).__call__, spec, assignment), spec)
+        f = spec.function(lambda m, *a, **k: run(m, type(model).__call__, assignment, a, k))
+        temp, _ = compiled_temp(*loss_step(f, spec, SquaredError()))
         times.append(time.perf_counter() - t0)
     return statistics.median(times), temp
 

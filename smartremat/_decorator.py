@@ -9,12 +9,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 
-from . import _apply, _planner
+from . import _apply, _intercept, _planner
 from ._plan import MB, Plan
 from ._serialise import signature
 from ._policies import normalise_policies
 from ._spec import make_spec
+from ._verify import DEFAULT_LOSSES, UserLoss
 
 
 def _check_budget(budget_mb: Any, name: str = "smartremat(budget_mb=...)") -> int:
@@ -28,31 +31,64 @@ def _check_budget(budget_mb: Any, name: str = "smartremat(budget_mb=...)") -> in
     return int(float(budget_mb) * MB)
 
 
-def make_config(budget_mb, policies, blocks, calibrate, verify, plan=None, scan_segments=2,
-                nested=True) -> _planner.Config:
+def make_config(budget_mb: Any, *, policies: Sequence[Any] | None = None, blocks: Callable | None = None,
+                calibrate: bool = True, verify: bool = True, plan: Plan | None = None,
+                scan_segments: int = 2, nested: bool = True, loss: Callable | None = None,
+                loss_args: Any = (), name: str = "smartremat") -> _planner.Config:
+    """Check every option (errors name the argument) and return the hashable `Config`."""
     if blocks is not None and not callable(blocks):
         raise TypeError(
-            f"`smartremat(blocks=...)` should be a function from the module to a sub-module or a "
+            f"`{name}(blocks=...)` should be a function from the module to a sub-module or a "
             f"sequence of them (as in `eqx.tree_at`), not {blocks!r}; e.g. `blocks=lambda m: m.layers`."
         )
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(
-            f"`smartremat(plan=...)` should be a `smartremat.Plan` (e.g. from `smartremat.load_plan(path)`), "
+            f"`{name}(plan=...)` should be a `smartremat.Plan` (e.g. from `smartremat.load_plan(path)`), "
             f"not {type(plan).__name__}. Load a saved plan with `load_plan` first."
         )
     if isinstance(scan_segments, bool) or not isinstance(scan_segments, int) or scan_segments < 1:
         raise ValueError(
-            f"`smartremat(scan_segments=...)` should be a positive int (how many pieces, each with "
+            f"`{name}(scan_segments=...)` should be a positive int (how many pieces, each with "
             f"its own policy, a scanned block's scan may be split into), not {scan_segments!r}; "
             "e.g. `scan_segments=1` keeps every scan whole."
         )
-    return _planner.Config(_check_budget(budget_mb), normalise_policies(policies),
+    return _planner.Config(_check_budget(budget_mb, f"{name}(budget_mb=...)"), normalise_policies(policies),
                            float(budget_mb), blocks, bool(calibrate), bool(verify), plan, scan_segments,
-                           bool(nested))
+                           bool(nested), _losses(loss, loss_args, name))
+
+
+def _losses(loss: Callable | None, loss_args: Any, name: str) -> tuple:
+    """The losses plans are verified on: the user's own, or the default real losses."""
+    if loss is None:
+        if not (loss_args == () or loss_args is None):
+            raise ValueError(
+                f"`{name}(loss_args=...)` was given without `loss=`: they are the extra arguments of "
+                "your loss, `loss(output, *loss_args)`. Pass `loss=` too, or drop `loss_args`."
+            )
+        return DEFAULT_LOSSES
+    if not callable(loss):
+        raise TypeError(
+            f"`{name}(loss=...)` should be your loss as a function `loss(output, *loss_args)` "
+            f"returning a scalar, not {type(loss).__name__} {loss!r:.60}; e.g. "
+            "`loss=lambda out, y: jnp.mean((out - y) ** 2), loss_args=(jax.ShapeDtypeStruct((64, 512), jnp.float32),)`."
+        )
+    if not callable(loss_args):
+        given = tuple(loss_args) if isinstance(loss_args, (tuple, list)) else (loss_args,)
+        try:
+            loss_args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), given)
+        except Exception as e:
+            raise TypeError(
+                f"`{name}(loss_args=...)` should be arrays or `jax.ShapeDtypeStruct`s (the extra "
+                f"arguments of `loss(output, *loss_args)`, e.g. the targets), or a function from the "
+                f"output's shapes to them; got {loss_args!r:.80} ({e})."
+            ) from e
+    return (UserLoss(loss, loss_args),)
 
 
 def planned_call(module: Any, call: Callable, config: _planner.Config, args: tuple, kwargs: dict):
     """Plan (once per signature) and run `call(module, *args, **kwargs)` under the plan."""
+    if _intercept.in_step():  # inside `smartremat.filter_jit`: the step's plan covers this module
+        return call(module, *args, **kwargs)
     spec = make_spec(module, args, kwargs)
     if config.plan is not None:
         if config.plan.signature != signature(call, spec):
@@ -115,6 +151,8 @@ def smartremat(
     plan: Plan | None = None,
     scan_segments: int = 2,
     nested: bool = True,
+    loss: Callable[..., Any] | None = None,
+    loss_args: Any = (),
 ) -> Callable[[Any], Any]:
     """Choose and apply gradient checkpointing so one forward+backward fits `budget_mb`.
 
@@ -141,6 +179,14 @@ def smartremat(
     - `nested`: also offer, for each block that calls sub-blocks of its own (e.g. a transformer
       layer's attention and MLP), checkpointing those sub-blocks (its two costliest, every
       combination of policies) instead of the whole block. `False` plans one level only.
+    - `loss`: your loss, `loss(output, *loss_args) -> scalar`, taking the module's output. With
+      it, plans are verified on the gradient of exactly that loss. Without it, they are verified
+      on the squared error and the softmax cross-entropy of every floating output against
+      targets, and must fit both (a loss that needs more working memory than these, or a step
+      that does more than the gradient, is held to the budget by `smartremat.filter_jit`).
+    - `loss_args`: the extra arguments of `loss` (e.g. targets), as arrays or
+      `jax.ShapeDtypeStruct`s, or a function from the output's `ShapeDtypeStruct`s to them when
+      their shapes follow the batch (e.g. `lambda out: jax.ShapeDtypeStruct(out.shape[:-1], jnp.int32)`).
 
     **Returns:**
 
@@ -148,7 +194,8 @@ def smartremat(
     fields, same pytree) plan on their first call per input signature. On a module instance it returns
     a `SmartRemat` wrapper, called like the module, holding the same arrays.
     """
-    config = make_config(budget_mb, policies, blocks, calibrate, verify, plan, scan_segments, nested)
+    config = make_config(budget_mb, policies=policies, blocks=blocks, calibrate=calibrate, verify=verify,
+                         plan=plan, scan_segments=scan_segments, nested=nested, loss=loss, loss_args=loss_args)
 
     def decorate(target: Any) -> Any:
         if isinstance(target, type):

@@ -11,6 +11,7 @@ from . import _planner
 from ._decorator import _check_budget, config_of, make_config
 from ._plan import Plan
 from ._spec import make_spec, vmapped_spec
+from ._step import PlannedStep
 
 
 def explain(
@@ -35,6 +36,13 @@ def explain(
     The same `Plan` value the decorator uses for this signature: `print(plan)` shows a table,
     `plan.to_dict()` is JSON-serialisable.
     """
+    if isinstance(model, PlannedStep):
+        if budget_mb is not None or vmap:
+            raise ValueError(
+                "`explain(model=...)` got a step made by `smartremat.filter_jit`, whose plan is for its "
+                "own budget and arguments: pass the step's arguments only (no `budget_mb`, no `vmap`); "
+                "for another budget, make the step again with `smartremat.filter_jit(fun, budget_mb=...)`.")
+        return model.plan(*args, **kwargs)
     found = config_of(model)
     if found is None:
         if not isinstance(model, eqx.Module):
@@ -47,7 +55,7 @@ def explain(
                 f"`explain(model=...)` got a plain {type(model).__name__}, which carries no budget: "
                 "pass `budget_mb=...`, or decorate the class with `@smartremat(budget_mb=...)`."
             )
-        config = make_config(budget_mb, None, None, True, True)
+        config = make_config(budget_mb, name="explain")
         call, module = type(model).__call__, model
     else:
         config, call, module = found

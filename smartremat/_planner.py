@@ -25,8 +25,8 @@ from ._nested import Nested, nested_options
 from ._scan import Segments
 from ._solve import Solution, frontier, min_peak, solve
 from ._serialise import signature
-from ._spec import CallSpec
-from ._verify import compiled_step
+from ._spec import CallSpec, shardings_hidden
+from ._verify import DEFAULT_LOSSES, compiled_step
 
 logger = logging.getLogger("smartremat")
 
@@ -44,6 +44,7 @@ class Config:
     plan: Plan | None = None
     scan_segments: int = 2
     nested: bool = True
+    losses: tuple = DEFAULT_LOSSES
 
 
 @dataclass(frozen=True)
@@ -189,8 +190,14 @@ def make_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Pl
         raise infeasible(config, spec, lowest.peak + fixed, "predicted by smartremat's model")
     compiled = None
     if config.verify:
-        sol, compiled = _verified(call, spec, model, config, sol or lowest, lowest)
-    plan = _assemble(model, config, sol, lowest, compiled, time.perf_counter() - t0, signature(call, spec))
+        def measure(choice):
+            return compiled_step(call, spec, assignment_of(model, choice), config.losses)
+
+        def error(floor):
+            return infeasible(config, spec, floor, "compiled temp bytes of the training step")
+
+        sol, compiled = verified(model.stages, config, measure, error, sol or lowest, lowest)
+    plan = assemble(model, config, sol, lowest, compiled, time.perf_counter() - t0, signature(call, spec))
     if cpu_barrier_missing():
         warnings.warn("smartremat: " + CPU_NOTE + ".", stacklevel=2)
     _log(type(module).__name__, plan)
@@ -215,7 +222,8 @@ _MAX_FRONTIER_STAGES = 64
 _MAX_CANDIDATES = 16
 
 
-def _verified(call, spec, model: Model, config: Config, sol: Solution, lowest: Solution):
+def verified(stages: tuple[Stage, ...], config: Config, measure: Callable, error: Callable,
+             sol: Solution, lowest: Solution) -> tuple[Solution, tuple[int, float]]:
     """The candidate with the fewest *compiled* FLOPs whose compiled temp bytes fit the budget.
 
     Candidates are the model's Pareto frontier (at most `_MAX_CANDIDATES` points, spread
@@ -224,13 +232,9 @@ def _verified(call, spec, model: Model, config: Config, sol: Solution, lowest: S
     does not depend on the budget, so each is compiled once per signature (cached), and as the
     budget falls the chosen plan's compiled temp bytes never rise.
     """
-    stages = model.stages
     front = frontier(stages) if len(stages) <= _MAX_FRONTIER_STAGES else [lowest, sol]
     cands = list(dict.fromkeys([s.choice for s in _spread(front, _MAX_CANDIDATES)]
                                + [(o,) * len(stages) for o in range(len(config.policies))]))
-
-    def measure(choice):
-        return compiled_step(call, spec, assignment_of(model, choice))
 
     with ThreadPoolExecutor(max(1, min(len(cands), os.cpu_count() or 1))) as pool:
         figures = dict(zip(cands, pool.map(measure, cands)))
@@ -239,8 +243,7 @@ def _verified(call, spec, model: Model, config: Config, sol: Solution, lowest: S
     fits = [(cost_of(stages, ch) if looped else f, t, cost_of(stages, ch), ch)
             for ch, (t, f) in figures.items() if t <= config.budget_bytes]
     if not fits:
-        floor = min(t for t, _ in figures.values())
-        raise infeasible(config, spec, floor, "compiled temp bytes of the training step")
+        raise error(min(t for t, _ in figures.values()))
     _, temp, cost, choice = min(fits)
     return Solution(choice, peak_of(stages, choice), cost), figures[choice]
 
@@ -260,7 +263,22 @@ def infeasible(config: Config, spec: CallSpec, floor: int, kind: str) -> ValueEr
         f"`smartremat(budget_mb={config.budget_mb:g})` is below the lowest peak any remat plan "
         f"reaches for this module on inputs ({shapes}): {floor / MB:.3f} MB ({kind}). Raise "
         f"`budget_mb` to at least {up:.2f}, lower the batch size, or name finer blocks with "
-        "`blocks=` so that smaller pieces can be recomputed."
+        "`blocks=` so that smaller pieces can be recomputed." + _unseen_sharding(spec)
+    )
+
+
+def _unseen_sharding(spec: CallSpec) -> str:
+    """Several devices, no sharding seen: say why the figures are for one device, and what to do."""
+    if not shardings_hidden(spec):
+        return ""
+    return (
+        f" These figures are for one device running the whole call: smartremat sees no sharding on "
+        f"it although {jax.device_count()} devices are present. If the step runs over a "
+        "`jax.sharding.Mesh` whose axes are Auto (e.g. `Mesh(jax.devices(), ('data',))` with "
+        "`NamedSharding` inputs), JAX hides each device's share inside `jit`: plan the whole step "
+        "with `smartremat.filter_jit(step, budget_mb=...)`, which compiles it with your arguments' "
+        "shardings and holds the budget per device, or make the mesh with Explicit axes "
+        "(`jax.make_mesh(shape, names)`), whose shardings smartremat reads."
     )
 
 
@@ -297,7 +315,7 @@ def _uniform_peak(stages, policies, policy) -> int:
     return peak_of(stages, (idx,) * len(stages))
 
 
-def _assemble(model: Model, config: Config, sol: Solution, lowest: Solution, compiled, seconds,
+def assemble(model: Model, config: Config, sol: Solution, lowest: Solution, compiled, seconds,
               sig: str) -> Plan:
     stages, fixed = model.stages, model.fixed_bytes
     return Plan(

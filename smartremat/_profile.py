@@ -65,7 +65,7 @@ def _loss(out: Any) -> jax.Array:
     return sum((jnp.sum(x.astype(jnp.float32)) for x in leaves), jnp.float32(0))
 
 
-def _split(f: Callable, spec: CallSpec, first_n: int | None = None):
+def split_diff(f: Callable, spec: CallSpec, first_n: int | None = None):
     """`(diff_idx, g)` with `g(diff_leaves, all_leaves)` calling `f` with `diff` substituted."""
     n = len(spec.dynamic) if first_n is None else first_n
     diff_idx = [i for i, d in enumerate(spec.dynamic[:n]) if _is_float(d)]
@@ -79,12 +79,13 @@ def _split(f: Callable, spec: CallSpec, first_n: int | None = None):
     return diff_idx, g
 
 
-def grad_step(f: Callable, spec: CallSpec, module_only: bool = False) -> Callable:
+def grad_step(f: Callable, spec: CallSpec) -> Callable:
     """`step(*dynamic)`: gradient of the summed floating outputs of `f` w.r.t. floating inputs.
 
-    With `module_only`, only the module's own leaves (its parameters) are differentiated.
+    Used to profile one block on its own (a constant cotangent is enough to compare options);
+    plans are verified on real losses (`_verify.loss_step`).
     """
-    diff_idx, g = _split(f, spec, n_module_leaves(spec) if module_only else None)
+    diff_idx, g = split_diff(f, spec)
 
     def step(*dyn):
         return jax.grad(lambda d: _loss(g(d, dyn)))([dyn[i] for i in diff_idx])
@@ -94,7 +95,7 @@ def grad_step(f: Callable, spec: CallSpec, module_only: bool = False) -> Callabl
 
 def _residuals(f: Callable, spec: CallSpec, n_module: int) -> tuple[int, int, tuple]:
     """(internal residual bytes, saved-argument bytes, signature) of `f`'s VJP."""
-    diff_idx, g = _split(f, spec)
+    diff_idx, g = split_diff(f, spec)
 
     def res(*dyn):
         return jax.vjp(lambda *d: g(d, dyn), *[dyn[i] for i in diff_idx])[1]

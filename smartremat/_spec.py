@@ -87,7 +87,7 @@ def make_spec(module: Any, args: tuple, kwargs: dict, *, top_level: bool = True)
         batch = _jax_private.batch_axis(leaf)
         aval = jax.typeof(leaf) if not isinstance(leaf, jax.ShapeDtypeStruct) else leaf
         if batch is None:
-            dynamic.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=_placed(aval)))
+            dynamic.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=placed_sharding(aval)))
             in_axes.append(None)
             continue
         bsize, bdim, btrace = batch
@@ -98,7 +98,7 @@ def make_spec(module: Any, args: tuple, kwargs: dict, *, top_level: bool = True)
         size, trace = bsize, btrace
         batched = jax.typeof(_jax_private.inner_value(leaf))
         dynamic.append(jax.ShapeDtypeStruct((bsize, *aval.shape), aval.dtype,
-                                            sharding=_batch_first(_placed(batched), bdim, len(aval.shape) + 1)))
+                                            sharding=_batch_first(placed_sharding(batched), bdim, len(aval.shape) + 1)))
         in_axes.append(0)
     name = _jax_private.axis_name(trace) if trace is not None else None
     return CallSpec(treedef, tuple(dynamic), tuple(static), tuple(in_axes), size, name)
@@ -116,7 +116,17 @@ def _concrete_mesh(sizes: tuple, names: tuple, types: tuple) -> jax.sharding.Mes
     return jax.sharding.Mesh(devices, names, axis_types=types)
 
 
-def _placed(aval: Any) -> jax.sharding.NamedSharding | None:
+def shardings_hidden(spec: CallSpec) -> bool:
+    """Several devices, and no input of `spec` shows a sharding over Explicit mesh axes: JAX hides
+    (Auto axes) or there is no per-device split, so figures are for one device doing all the work."""
+    def explicit(d: Any) -> bool:
+        mesh = _mesh_of(getattr(d, "sharding", None))
+        return mesh is not None and all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+    return jax.device_count() > 1 and not any(explicit(d) for d in spec.dynamic)
+
+
+def placed_sharding(aval: Any) -> jax.sharding.NamedSharding | None:
     """The aval's sharding over a mesh of several devices, on concrete devices (to compile for);
     `None` for a single device. Under a mesh whose axes are not Explicit, JAX does not show a
     traced value's sharding, so smartremat warns and plans as if it were replicated."""

@@ -1,32 +1,139 @@
-"""Hold a plan against the compiler: temp bytes and FLOPs of the real training step."""
+"""Hold a plan against the compiler: temp bytes and FLOPs of a training step with a real loss.
+
+The decorator cannot see the user's loss (it runs inside it), so it compiles the gradient of the
+module's parameters under losses users write and keeps the largest figure: the squared error and
+the softmax cross-entropy (soft targets and integer labels) of every floating output, against
+targets that are inputs of the step.
+A constant cotangent (`jnp.sum(out)` as the loss) lets XLA simplify the backward, so it is never
+used here. With `smartremat(loss=...)` the user's own loss is the only one compiled.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from ._cache import KeyedCache, environment_key
 from ._apply import Assignment, run
-from ._profile import compiled_temp, grad_step
-from ._spec import CallSpec
+from ._profile import compiled_temp, mesh_context, n_module_leaves, split_diff
+from ._spec import CallSpec, placed_sharding
 
 _CACHE: KeyedCache[tuple[int, float]] = KeyedCache()
 
 
-def step_function(call: Callable, spec: CallSpec, assignment: Assignment) -> Callable:
-    """`step(*dynamic)`: the gradient, w.r.t. the module's parameters, of the summed output."""
-    f = spec.function(lambda m, *a, **k: run(m, call, assignment, a, k))
-    return grad_step(f, spec, module_only=True)
+def _float_leaves(out: Any) -> list:
+    return [x for x in jax.tree.leaves(out) if jnp.issubdtype(x.dtype, jnp.inexact)]
 
 
-def compiled_step(call: Callable, spec: CallSpec, assignment: Assignment) -> tuple[int, float]:
-    """`(temp_size_in_bytes, flops)` of the compiled training step under `assignment`.
+def _like(o: Any, shape: tuple, dtype: Any) -> jax.ShapeDtypeStruct:
+    """A target of `shape` (a prefix of the output `o`'s) and `dtype`, sharded like `o`'s
+    leading axes over several devices (on concrete devices, to compile for)."""
+    placed = placed_sharding(o)
+    if placed is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    spec = (tuple(placed.spec) + (None,) * o.ndim)[: len(shape)]
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(placed.mesh, P(*spec)))
 
-    This is the ground truth the budget is held against (design.md: what the budget means).
-    Cached by signature, assignment, backend and XLA flags.
+
+@dataclass(frozen=True)
+class SquaredError:
+    """Mean squared error of every floating output leaf against a target of its shape."""
+
+    def targets(self, out: Any) -> tuple:
+        return tuple(_like(o, o.shape, o.dtype) for o in _float_leaves(out))
+
+    def __call__(self, out: Any, *targets: jax.Array) -> jax.Array:
+        return sum((jnp.mean((o.astype(jnp.float32) - t.astype(jnp.float32)) ** 2)
+                    for o, t in zip(_float_leaves(out), targets, strict=True)), jnp.float32(0))
+
+
+@dataclass(frozen=True)
+class CrossEntropy:
+    """Softmax cross-entropy over the last axis of every floating output leaf, against soft
+    targets (`labels=False`, same shape) or integer labels (`labels=True`, the leading axes);
+    a scalar output leaf gets the squared error."""
+
+    labels: bool = False
+
+    def targets(self, out: Any) -> tuple:
+        return tuple(_like(o, o.shape[:-1], jnp.int32) if self.labels and o.ndim else _like(o, o.shape, o.dtype)
+                     for o in _float_leaves(out))
+
+    def __call__(self, out: Any, *targets: jax.Array) -> jax.Array:
+        total = jnp.float32(0)
+        for o, t in zip(_float_leaves(out), targets, strict=True):
+            o = o.astype(jnp.float32)
+            if o.ndim == 0:
+                total = total + (o - t) ** 2
+                continue
+            logp = jax.nn.log_softmax(o, axis=-1)
+            picked = jnp.take_along_axis(logp, t[..., None], axis=-1) if self.labels else logp * t
+            total = total - jnp.mean(jnp.sum(picked, axis=-1))
+        return total
+
+
+#: The losses the decorator holds plans against when the user gives none.
+DEFAULT_LOSSES = (SquaredError(), CrossEntropy(), CrossEntropy(labels=True))
+
+
+@dataclass(frozen=True)
+class UserLoss:
+    """`smartremat(loss=fn, loss_args=...)`: `fn(output, *loss_args)` is the user's loss.
+
+    `args` are `jax.ShapeDtypeStruct`s, or a function from the output's shapes to arrays or
+    `jax.ShapeDtypeStruct`s (when they depend on the batch).
     """
-    key = (spec.key(), call, _assignment_key(assignment), *environment_key())
-    return _CACHE.get(key, lambda: compiled_temp(step_function(call, spec, assignment), spec))
+
+    fn: Callable[..., jax.Array]
+    args: Any = ()
+
+    def targets(self, out: Any) -> tuple:
+        given = self.args(out) if callable(self.args) else self.args
+        given = tuple(given) if isinstance(given, (tuple, list)) else (given,)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), given)
+
+    def __call__(self, out: Any, *targets: Any) -> jax.Array:
+        return self.fn(out, *targets)
+
+
+def loss_step(f: Callable, spec: CallSpec, loss: Callable) -> tuple[Callable, tuple]:
+    """`(step, avals)`: `step(*dynamic, *targets)` is the gradient of `loss(f(...), *targets)`
+    w.r.t. the module's floating leaves (its parameters); `avals` are its abstract inputs."""
+    diff_idx, g = split_diff(f, spec, n_module_leaves(spec))
+    with mesh_context(spec.dynamic):
+        out = jax.eval_shape(f, *spec.dynamic)
+    extra, treedef = jax.tree.flatten(loss.targets(out))
+    n = len(spec.dynamic)
+
+    def step(*leaves):
+        dyn, t = leaves[:n], jax.tree.unflatten(treedef, leaves[n:])
+        return jax.grad(lambda d: loss(g(d, dyn), *t))([dyn[i] for i in diff_idx])
+
+    return step, tuple(spec.dynamic) + tuple(extra)
+
+
+def compiled_step(call: Callable, spec: CallSpec, assignment: Assignment,
+                  losses: tuple = DEFAULT_LOSSES) -> tuple[int, float]:
+    """`(temp_size_in_bytes, flops)` of the training step under `assignment`: the largest temp
+    bytes over `losses`, and the FLOPs of the first. Cached by signature, assignment, losses,
+    backend and XLA flags."""
+    figures = [_compiled_one(call, spec, assignment, loss) for loss in losses]
+    return max(t for t, _ in figures), figures[0][1]
+
+
+def _compiled_one(call: Callable, spec: CallSpec, assignment: Assignment, loss: Callable) -> tuple[int, float]:
+    key = (spec.key(), call, _assignment_key(assignment), loss, *environment_key())
+
+    def make() -> tuple[int, float]:
+        f = spec.function(lambda m, *a, **k: run(m, call, assignment, a, k))
+        return compiled_temp(*loss_step(f, spec, loss))
+
+    return _CACHE.get(key, make)
 
 
 def _assignment_key(assignment: Assignment) -> tuple:

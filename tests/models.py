@@ -143,3 +143,46 @@ class ScannedTransformer(eqx.Module):
 
         x, _ = jax.lax.scan(body, x, params)
         return layer_norm(x)
+
+
+class ConvBlock(eqx.Module):
+    conv1: eqx.nn.Conv2d
+    conv2: eqx.nn.Conv2d
+
+    def __init__(self, c: int, key: jax.Array):
+        k1, k2 = jax.random.split(key)
+        self.conv1 = eqx.nn.Conv2d(c, c, 3, padding=1, key=k1)
+        self.conv2 = eqx.nn.Conv2d(c, c, 3, padding=1, key=k2)
+
+    def __call__(self, x):
+        return x + self.conv2(jax.nn.relu(self.conv1(x)))
+
+
+class ConvNet(eqx.Module):
+    """A per-example ConvNet (one image `(3, H, W)` in, logits out), the way Equinox layers are
+    written: the user batches it with `jax.vmap(model)`."""
+
+    stem: eqx.nn.Conv2d
+    blocks: list
+    head: eqx.nn.Linear
+
+    def __init__(self, n: int, c: int, classes: int, key: jax.Array):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.stem = eqx.nn.Conv2d(3, c, 3, padding=1, key=k1)
+        self.blocks = [ConvBlock(c, k) for k in jax.random.split(k2, n)]
+        self.head = eqx.nn.Linear(c, classes, key=k3)
+
+    def __call__(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(jnp.mean(x, axis=(1, 2)))
+
+
+class Batched(eqx.Module):
+    """`jax.vmap(model)` over the leading axis, as the user's loss would write it."""
+
+    model: eqx.Module
+
+    def __call__(self, x):
+        return jax.vmap(self.model)(x)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 
 import smartremat
-from smartremat import MB, Plan, PlanBlock, PolicyFigures, SmartRemat, explain
+from smartremat import MB, Plan, PlanBlock, PolicyFigures, SmartRemat, explain, filter_jit
 from smartremat import smartremat as smartremat_decorator
 
 from helpers import tree_allclose
@@ -13,7 +13,8 @@ from models import MLPStack, TutorialBlock
 
 def test_public_names():
     assert set(n for n in dir(smartremat) if not n.startswith("_")) == {
-        "MB", "Plan", "PlanBlock", "PolicyFigures", "SmartRemat", "explain", "load_plan", "smartremat"}
+        "MB", "Plan", "PlanBlock", "PolicyFigures", "SmartRemat", "explain", "filter_jit", "load_plan", "smartremat"}
+    assert callable(filter_jit)
     assert smartremat.smartremat is smartremat_decorator
     assert smartremat_decorator.explain is explain
     assert MB == 2**20

@@ -1,4 +1,12 @@
-"""The budget promise, held against the compiler (issue: fit, measured by the compiler)."""
+"""The budget promise, held against the compiler on the user's own training step.
+
+Every step here uses a real loss (`benchmarks.common.output_loss`: squared error against targets,
+or next-token cross-entropy for the GPT), never `jnp.sum(out)`. Five budgets from full remat's
+compiled temp bytes to no remat's, per model: the decorated model's step fits, its temp bytes
+never rise as the budget falls, and its gradients equal no remat's.
+"""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -6,46 +14,84 @@ import numpy as np
 import pytest
 
 import smartremat
+from benchmarks.common import compile_step, exact
 from smartremat import MB
 
-from helpers import step_figures, uniform
-from models import GPT, MLPStack, Transformer, TutorialBlock
+from helpers import tree_allclose, uniform
+from models import GPT, Batched, ConvNet, MLPStack, Transformer, TutorialBlock
 
 UNIFORM = ["none", "dots", "dots_nb", "full"]
 
 CASES = {
-    # name: (model, input, where the blocks are for hand-written uniform plans)
-    "tutorial": (lambda: TutorialBlock(512, 8192, jax.random.key(0)), (64, 512), None),
-    "tutorial_stack": (lambda: MLPStack(4, 512, 8192, jax.random.key(0)), (64, 512), lambda m: m.layers),
-    "transformer": (lambda: Transformer(4, 128, 4, jax.random.key(0)), (4, 128, 128), lambda m: m.layers),
-    # embedding and head outside the blocks: a fixed part of the peak
-    "gpt": (lambda: GPT(3, 64, 4, 64, 512, jax.random.key(0)), (8, 64), lambda m: m.layers),
+    # name: (model, input, where the blocks are for hand-written uniform plans, run under jax.vmap)
+    "tutorial": (lambda: TutorialBlock(512, 8192, jax.random.key(0)), (64, 512), None, False),  # seed size
+    "stack": (lambda: MLPStack(4, 256, 2048, jax.random.key(0)), (64, 256), lambda m: m.layers, False),
+    "transformer": (lambda: Transformer(4, 128, 4, jax.random.key(0)), (4, 128, 128), lambda m: m.layers, False),
+    # embedding and head outside the blocks: a fixed part of the peak; next-token cross-entropy
+    "gpt": (lambda: GPT(3, 64, 4, 64, 512, jax.random.key(0)), (8, 64), lambda m: m.layers, False),
+    "convnet_vmap": (lambda: ConvNet(3, 16, 10, jax.random.key(0)), (16, 3, 32, 32), lambda m: m.blocks, True),
 }
+
+
+def _input(name, shape):
+    if name == "gpt":
+        return jnp.arange(np.prod(shape)).reshape(shape) % 512
+    return jax.random.normal(jax.random.key(3), shape)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request):
-    make, shape, where = CASES[request.param]
+    make, shape, where, vmapped = CASES[request.param]
     model = make()
-    x = jnp.ones(shape, jnp.float32) if request.param != "gpt" else jnp.arange(8 * 64).reshape(shape) % 512
-    uniforms = [(p, *step_figures(uniform(model, p, where), x)) for p in UNIFORM]
-    none_temp, full_temp = uniforms[0][1], uniforms[-1][1]
-    lo, hi = sorted((none_temp, full_temp))
-    budgets = np.linspace(hi, lo, 5) if hi > lo else np.full(5, hi)
-    return request.param, model, x, uniforms, budgets
+    x = _input(request.param, shape)
+    user = Batched if vmapped else (lambda m: m)  # what the user's loss calls
+    uniforms = {p: compile_step(user(uniform(model, p, where)), x) for p in UNIFORM}
+    temps = [uniforms[p][2] for p in ("none", "full")]
+    budgets = np.linspace(max(temps), min(temps), 5)
+    run, params = uniforms["none"][:2]
+    want = jax.tree.leaves(run(params, x))
+    figures = {p: (u[2], u[3]) for p, u in uniforms.items()}
+    return request.param, model, x, user, figures, temps, want
 
 
-def test_compiled_temp_fits_is_monotone_and_no_costlier_than_uniform(case):
-    name, model, x, uniforms, budgets = case
-    temps = []
+def _floor(model, x, vmapped, **options) -> float:
+    """The lowest budget smartremat accepts, as its error states it (MB, rounded up)."""
+    tiny = smartremat.smartremat(budget_mb=1e-3, **options)(model)
+    with pytest.raises(ValueError, match=r"Raise `budget_mb` to at least") as e:
+        smartremat.explain(tiny, x, vmap=vmapped)
+    return float(re.search(r"at least ([0-9.]+)", str(e.value)).group(1))
+
+
+def _check(case, **options):
+    """Five budgets from the lowest smartremat accepts (at or above full remat's temp bytes in the
+    user's step) to no remat's: each fits, temp bytes never rise, gradients equal no remat's."""
+    name, model, x, user, uniforms, (none, full), want = case
+    low = max(full, _floor(model, x, user is Batched, **options) * MB)
+    budgets = np.linspace(max(none, low), low, 5)
+    temps, flops_seen = [], []
     for budget in budgets:
-        wrapped = smartremat.smartremat(budget_mb=float(budget) / MB)(model)
-        temp, flops = step_figures(wrapped, x)
-        plan = smartremat.explain(wrapped, x)
+        wrapped = smartremat.smartremat(budget_mb=float(budget) / MB, **options)(model)
+        run, params, temp, flops = compile_step(user(wrapped), x)
+        plan = smartremat.explain(wrapped, x, vmap=user is Batched)
         assert temp <= plan.budget_bytes, (name, budget, temp, plan.policies)
-        fitting = [f for _, t, f in uniforms if t <= plan.budget_bytes]
-        assert fitting, "the no-remat or full-remat plan fits every budget tested"
-        assert flops <= min(fitting) * (1 + 1e-9), (name, budget, flops, min(fitting))
-        assert plan.compiled_peak_bytes == temp
+        assert temp <= plan.compiled_peak_bytes  # the plan's figure bounds the user's step
+        assert tree_allclose(jax.tree.leaves(run(params, x)), want, rtol=1e-6), (name, plan.policies)
         temps.append(temp)
+        flops_seen.append(flops)
     assert all(b <= a for a, b in zip(temps, temps[1:])), temps
+    return budgets, temps, flops_seen
+
+
+def test_fits_the_users_step_with_the_default_losses(case):
+    """No `loss=`: plans are verified on squared error and cross-entropy, and fit the user's loss."""
+    _, temps, _ = _check(case)
+    assert temps[-1] < temps[0], "the lowest budget should need remat"
+
+
+def test_exact_loss_is_never_costlier_than_the_best_fitting_uniform_plan(case):
+    """With `loss=` the user's own loss is compiled, so fit and cost are exact on their step."""
+    name, model, x, user, uniforms, _, _ = case
+    budgets, _, flops_seen = _check(case, **exact(user(model), x))
+    for budget, flops in zip(budgets, flops_seen):
+        fitting = [f for t, f in uniforms.values() if t <= budget]
+        assert flops <= min(fitting) * (1 + 1e-9), (name, budget, flops, min(fitting))

@@ -25,7 +25,7 @@ N, D, HEADS, T, B = 12, 64, 4, 256, 8
 
 def plan_of(model, x, budget_mb, segments=2, calibrate=False, verify=False, nested=False):
     """The model alone by default, and without nested options (tested below) unless asked."""
-    config = make_config(budget_mb, None, None, calibrate, verify, None, segments, nested)
+    config = make_config(budget_mb, calibrate=calibrate, verify=verify, scan_segments=segments, nested=nested)
     return _planner.get_plan(type(model).__call__, make_spec(model, (x,), {}), model, config)
 
 

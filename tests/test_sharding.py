@@ -2,8 +2,9 @@
 per-device bytes, and the compiled per-device temp of the real sharded step fits.
 
 JAX fixes its device count when it starts, so this runs `benchmarks/sharded_report.py --quick`
-(data parallel over 8, a 2-D 4 x 2 data x model mesh, and a per-example model under
-`jax.vmap(model)(x)` over the data-parallel mesh) in a fresh process."""
+(data parallel over 8, a 2-D 4 x 2 data x model mesh, a per-example model under
+`jax.vmap(model)(x)` over the data-parallel mesh, and data parallel over a classic Auto-axes
+`Mesh` through `smartremat.filter_jit`) in a fresh process."""
 
 import json
 import os
@@ -24,13 +25,15 @@ def report(tmp_path_factory):
     return {r["layout"]: r for r in json.loads(out.read_text())}
 
 
-@pytest.mark.parametrize("layout", ["dp", "2d", "dp_vmap"])
+@pytest.mark.parametrize("layout", ["dp", "2d", "dp_vmap", "dp_classic"])
 def test_per_device_budgets_fit_the_compiled_sharded_step(report, layout):
+    """`dp_classic`: `Mesh(jax.devices(), ("data",))` with Auto axes, the whole step (SGD update,
+    donated) through `smartremat.filter_jit`; its compiled figure is the planned step's own."""
     r = report[layout]
     assert r["mesh"] == ({"data": 4, "model": 2} if layout == "2d" else {"data": 8})
     for row in r["rows"]:
         assert row["compiled_mb"] <= row["budget_mb"] and row["plan_compiled_mb"] <= row["budget_mb"]
-        assert row["grad_rel_diff"] <= 1e-6
+        assert row["grad_rel_diff"] <= 1e-6  # gradients (and, for dp_classic, updated parameters)
     assert len({tuple(row["policies"]) for row in r["rows"]}) >= 2, "budgets should change the plan"
     assert any(p != "none" for row in r["rows"] for p in row["policies"])
 
@@ -41,3 +44,10 @@ def test_profile_counts_per_device_bytes(report, layout):
     r = report[layout]
     assert r["predicted_none_mb"] <= r["one_device_predicted_none_mb"] / 4
     assert r["predicted_none_mb"] == pytest.approx(r["none_mb"], rel=0.1)
+
+
+def test_decorator_under_an_auto_mesh_says_what_to_do(report):
+    """Inside a step over a classic mesh the decorator cannot see per-device shares: it must not
+    plan as if one device ran the whole batch without saying so, and must name the fix."""
+    message = report["dp_classic"]["decorator"]
+    assert "smartremat.filter_jit" in message and "Explicit" in message and "8 devices" in message
