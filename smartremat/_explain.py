@@ -22,7 +22,9 @@ def explain(
     **Arguments:**
 
     - `model`: an instance of a `@smartremat`-decorated class, a module wrapped by
-      `smartremat(...)(module)`, or a plain `eqx.Module` (then `budget_mb` is required).
+      `smartremat(...)(module)`, a plain `eqx.Module` (then `budget_mb` is required), or a
+      training step made by `smartremat.filter_jit` (then `*args`, `**kwargs` are the step's
+      arguments, and the plan is the one the step runs with).
     - `*args`, `**kwargs`: the inputs, as arrays or `jax.ShapeDtypeStruct`s (only their
       shapes and dtypes matter; nothing is computed).
     - `budget_mb`: overrides the decorator's budget; required for a plain module.

@@ -34,6 +34,15 @@ def _strip_primal(x: Any) -> Any:
     return x
 
 
+def differentiated_from(leaf: Any) -> Any:
+    """The value a leaf seen inside `jax.grad`/`jax.vjp` (any depth) is the tangent-free copy
+    of: the step's own input tracer, to tell which argument a module came from. Public
+    fallback: the leaf itself."""
+    while _PRIMAL_TRACERS and isinstance(leaf, _PRIMAL_TRACERS):
+        leaf = getattr(leaf, "primal", None)
+    return leaf
+
+
 def batch_axis(leaf: Any) -> tuple[int, int, Any] | None:
     """For a leaf seen inside one `jax.vmap`, `(axis_size, batch_dim, trace)`; else `None`."""
     if not AVAILABLE:

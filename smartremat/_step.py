@@ -21,7 +21,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from . import _intercept, _planner
+from . import _intercept, _jax_private, _planner
 from ._apply import run
 from ._cache import KeyedCache, environment_key
 from ._decorator import config_of, make_config
@@ -129,22 +129,26 @@ class _Box:
     value: Any = None
 
 
-def _label(module: Any, roots: list[tuple[str, Any]], seen: dict) -> str:
-    """The argument a traced module came from: the one of the same class and structure."""
-    structure = jax.tree.structure(module)
-    names = [n for n, m in roots if type(m) is type(module) and jax.tree.structure(m) == structure]
-    name = names[0] if len(names) == 1 else f"call{len(seen)}"
+def _label(module: Any, owners: dict[int, str], roots: list[tuple[str, Any]], seen: dict) -> str:
+    """The argument a traced module came from: the one its arrays were taken from (through
+    `jax.grad`'s tracers), else the one of the same class and structure, else `call<k>`."""
+    leaves = [x for x in jax.tree.leaves(module) if isinstance(x, jax.core.Tracer)]
+    names = {owners.get(id(_jax_private.differentiated_from(x))) for x in leaves} - {None}
+    if len(names) != 1:
+        structure = jax.tree.structure(module)
+        names = {n for n, m in roots if type(m) is type(module) and jax.tree.structure(m) == structure}
+    name = names.pop() if len(names) == 1 else f"call{len(seen)}"
     seen[name] = seen.get(name, 0) + 1
     return name if seen[name] == 1 else f"{name}#{seen[name]}"
 
 
-def _traced(fun: Callable, sig: Signature, context: Callable[[], _intercept.StepContext], box: _Box) -> Callable:
-    """`f(*dynamic)`: the step on the rebuilt arguments, its module calls handed to `context()`;
-    returns the array part of the output (the rest goes to `box`)."""
+def _traced(fun: Callable, sig: Signature, context: Callable[..., _intercept.StepContext], box: _Box) -> Callable:
+    """`f(*dynamic)`: the step on the rebuilt arguments, its module calls handed to
+    `context(args, kwargs)`; returns the array part of the output (the rest goes to `box`)."""
 
     def f(*dynamic):
         args, kwargs = sig.rebuild(dynamic)
-        with _intercept.active(context()):
+        with _intercept.active(context(args, kwargs)):
             out = fun(*args, **kwargs)
         arrays, box.value = eqx.partition(out, eqx.is_array)
         return arrays
@@ -156,15 +160,20 @@ def _record(fun: Callable, sig: Signature, roots: list[tuple[str, Any]]) -> list
     """Trace the step once (abstractly) and record each call of an argument module."""
     calls: list[RootCall] = []
     seen: dict = {}
+    owners: dict[int, str] = {}
 
     def on_root(module, call, args, kwargs):
-        label = _label(module, roots, seen)
+        label = _label(module, owners, roots, seen)
         module, call = _root_of(module, call)
         calls.append(RootCall(label, call, make_spec(module, args, kwargs)))
         return call(module, *args, **kwargs)
 
+    def context(args, kwargs):  # the traced arguments: which input arrays belong to which module
+        for name, m in root_modules(fun, args, kwargs):
+            owners.update({id(x): name for x in jax.tree.leaves(m) if isinstance(x, jax.core.Tracer)})
+        return _intercept.StepContext(classes, on_root)
+
     classes = frozenset(type(m) for _, m in roots)
-    context = lambda: _intercept.StepContext(classes, on_root)  # noqa: E731
     with _intercept.installed(classes), mesh_context(sig.avals), warnings.catch_warnings():
         # under an Auto mesh the module calls show no sharding: the step's compiles will (see the plan's note)
         warnings.filterwarnings("ignore", message="smartremat sees a device mesh")
@@ -175,7 +184,7 @@ def _record(fun: Callable, sig: Signature, roots: list[tuple[str, Any]]) -> list
 def _applying(classes: frozenset, assignments: tuple) -> Callable[[], _intercept.StepContext]:
     """A fresh context (per trace) running the `k`-th module call under `assignments[k]`."""
 
-    def make() -> _intercept.StepContext:
+    def make(*_: Any) -> _intercept.StepContext:
         count = [0]
 
         def on_root(module, call, args, kwargs):

@@ -1,0 +1,150 @@
+"""`smartremat.filter_jit` as a user meets it: errors, no retracing, `explain`, `.lower`, decorated
+modules inside, two modules in one step, an outer `jit`, and `budget_mb="auto"`."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import smartremat
+from smartremat import MB, _step
+
+from helpers import tree_allclose
+from models import MLPStack
+
+OPT = optax.sgd(1e-2, momentum=0.9)
+
+
+def step(model, opt_state, x, y):
+    value, grads = eqx.filter_value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    updates, opt_state = OPT.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return value, eqx.apply_updates(model, updates), opt_state
+
+
+def grads(model, x, y):
+    """A step whose outputs are produced during the backward (so temp bytes are not ~0)."""
+    return eqx.filter_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+
+
+def _temp(jitted, *args) -> int:
+    lowered = jitted.lower(*args)
+    return getattr(lowered, "lowered", lowered).compile().memory_analysis().temp_size_in_bytes
+
+
+def _setup(model=None):
+    model = MLPStack(3, 64, 1024, jax.random.key(0)) if model is None else model
+    x = jax.random.normal(jax.random.key(1), (64, 64))
+    return model, OPT.init(eqx.filter(model, eqx.is_array)), x, jnp.tanh(x)
+
+
+def test_plans_once_then_runs_without_retracing():
+    traces = []
+
+    def counted(*args):
+        traces.append(1)
+        return step(*args)
+
+    planned = smartremat.filter_jit(counted, budget_mb=8)
+    args = _setup()
+    first = planned(*args)
+    n = len(traces)
+    second = planned(*args)
+    assert len(traces) == n, "a second call with the same signature must not trace again"
+    assert tree_allclose(first, second, rtol=0)
+    assert tree_allclose(first, eqx.filter_jit(step)(*args), rtol=1e-6)
+
+
+def test_lower_compile_and_explain_read_the_step_that_runs():
+    args = _setup()
+    planned = smartremat.filter_jit(step, budget_mb=8)
+    compiled = planned.lower(*args).compile()
+    plan = smartremat.explain(planned, *args)
+    assert compiled.memory_analysis().temp_size_in_bytes == plan.compiled_peak_bytes <= 8 * MB
+    assert plan is planned.plan(*args)
+    assert tree_allclose(compiled(*args), planned(*args), rtol=0)
+    assert "Residual" in str(plan) and set(plan.policies) == {f"layers[{i}]" for i in range(3)}
+
+
+@smartremat.smartremat(budget_mb=1000)
+class Decorated(MLPStack):
+    pass
+
+
+def test_a_decorated_module_is_planned_by_the_step_not_by_its_own_budget():
+    model, _, x, y = _setup(Decorated(3, 64, 1024, jax.random.key(0)))
+    none = _temp(eqx.filter_jit(grads), _setup()[0], x, y)
+    tight = smartremat.filter_jit(grads, budget_mb=none / MB * 0.7)
+    plan = smartremat.explain(tight, model, x, y)
+    assert any(p != "none" for p in plan.policies.values()), plan.policies  # its own 1000 MB would keep none
+    assert _temp(tight, model, x, y) <= none * 0.7
+    want = eqx.filter_jit(grads)(_setup()[0], x, y)
+    assert tree_allclose(jax.tree.leaves(tight(model, x, y)), jax.tree.leaves(want), rtol=1e-6)
+
+
+def test_two_modules_in_one_step_are_planned_together():
+    enc, dec = MLPStack(2, 64, 1024, jax.random.key(0)), MLPStack(2, 64, 1024, jax.random.key(1))
+    x = jax.random.normal(jax.random.key(2), (64, 64))
+
+    def autoencoder(enc, dec, x):  # the decoder is called first: labels follow the arrays
+        return eqx.filter_grad(lambda ed: jnp.mean((ed[0](ed[1](x)) - x) ** 2))((enc, dec))
+
+    none = _temp(eqx.filter_jit(autoencoder), enc, dec, x)
+    planned = smartremat.filter_jit(autoencoder, budget_mb=none / MB * 0.6)
+    plan = smartremat.explain(planned, enc, dec, x)
+    assert {p.split(".")[0] for p in plan.policies} == {"enc", "dec"}, plan.policies
+    assert _temp(planned, enc, dec, x) <= none * 0.6
+    assert tree_allclose(planned(enc, dec, x), eqx.filter_jit(autoencoder)(enc, dec, x), rtol=1e-6)
+
+
+def test_inside_an_outer_jit_the_planned_step_is_inlined():
+    args = _setup()
+    planned = smartremat.filter_jit(step, budget_mb=8)
+    got = jax.jit(lambda *a: planned(*a))(*args)
+    assert tree_allclose(got, eqx.filter_jit(step)(*args), rtol=1e-6)
+
+
+def test_auto_budget_is_the_device_memory_less_arguments_outputs_and_reserve(monkeypatch):
+    args = _setup()
+    plain = smartremat.filter_jit(step, budget_mb=1e6).lower(*args).compile().memory_analysis()  # no remat
+    limit = 64 * MB
+    monkeypatch.setattr(_step, "_device_limit", lambda sig: limit)
+    plan = smartremat.explain(smartremat.filter_jit(step, budget_mb="auto"), *args)
+    want = (int(limit * (1 - _step.AUTO_RESERVE)) - plain.argument_size_in_bytes - plain.output_size_in_bytes
+            + plain.alias_size_in_bytes - plain.generated_code_size_in_bytes)
+    assert plan.budget_bytes == want
+    assert plan.compiled_peak_bytes <= want
+
+
+def test_auto_budget_without_a_device_limit_asks_for_a_number():
+    if jax.devices()[0].memory_stats() is not None:
+        pytest.skip("this backend reports a memory limit")
+    with pytest.raises(ValueError, match=r"filter_jit\(budget_mb=\"auto\"\)` needs the device's memory limit.*"
+                                         r"budget_mb=4096"):
+        smartremat.filter_jit(step, budget_mb="auto")(*_setup())
+
+
+def test_errors_name_the_argument_the_value_and_the_fix():
+    with pytest.raises(TypeError, match=r"filter_jit\(fun=...\)` should be your training step.*not int"):
+        smartremat.filter_jit(3, budget_mb=1)
+    with pytest.raises(ValueError, match=r"filter_jit\(donate=...\)` should be one of.*not 'some'"):
+        smartremat.filter_jit(step, budget_mb=1, donate="some")
+    with pytest.raises(ValueError, match=r"filter_jit\(budget_mb=...\)` should be a positive"):
+        smartremat.filter_jit(step, budget_mb=-1)
+    model, _, x, y = _setup()
+    with pytest.raises(ValueError, match=r"filter_jit\(budget_mb=0.001\)` is below the lowest.*at least"):
+        smartremat.filter_jit(grads, budget_mb=1e-3)(model, x, y)
+    with pytest.raises(ValueError, match=r"found no call of an Equinox module.*model \(MLPStack\)"):
+        smartremat.filter_jit(lambda model, x: x * 2, budget_mb=1)(_setup()[0], jnp.ones(3))
+    planned = smartremat.filter_jit(step, budget_mb=8)
+    with pytest.raises(ValueError, match=r"explain\(model=...\)` got a step made by `smartremat.filter_jit`"):
+        smartremat.explain(planned, *_setup(), budget_mb=3)
+
+
+def test_decorator_loss_errors_name_the_argument():
+    with pytest.raises(TypeError, match=r"smartremat\(loss=...\)` should be your loss.*not int"):
+        smartremat.smartremat(budget_mb=1, loss=3)
+    with pytest.raises(ValueError, match=r"smartremat\(loss_args=...\)` was given without `loss=`"):
+        smartremat.smartremat(budget_mb=1, loss_args=(jnp.ones(3),))
+    with pytest.raises(TypeError, match=r"smartremat\(loss_args=...\)` should be arrays"):
+        smartremat.smartremat(budget_mb=1, loss=jnp.mean, loss_args=("targets",))
