@@ -20,19 +20,24 @@ import smartremat
 from benchmarks.models import GPT, TutorialStack, gpt_loss
 
 
-def compiled_temp(model, loss, *args) -> int:
-    """The compiler's temp bytes for the training step (design.md: what the budget means)."""
+def compiled_temp(model, loss, batch) -> int:
+    """The compiler's temp bytes for the gradient of the user's own loss (never `jnp.sum(out)`)."""
     params, static = eqx.partition(model, eqx.is_array)
-    step = jax.jit(jax.grad(lambda p, *a: loss(eqx.combine(p, static), *a)))
-    return step.lower(params, *args).compile().memory_analysis().temp_size_in_bytes
+    step = jax.jit(jax.grad(lambda p, b: loss(eqx.combine(p, static), b)))
+    return step.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
 
 
-def train(model, loss, batches, lr):
-    @eqx.filter_jit
+def sgd_step(loss, lr):
+    """The user's whole training step: loss, gradient, SGD update."""
+
     def step(model, batch):
         value, grads = eqx.filter_value_and_grad(loss)(model, batch)
         return value, jax.tree.map(lambda p, g: p - lr * g, model, grads)
 
+    return step
+
+
+def train(step, model, batches):
     for i, batch in enumerate(batches):
         t0 = time.perf_counter()
         value, model = step(model, batch)
@@ -42,11 +47,13 @@ def train(model, loss, batches, lr):
 
 
 def demo(name, model, x, loss, batches, lr, fraction=0.5):
-    """Plan `model` at `fraction` of its no-remat temp bytes, explain, check, train."""
+    """Plan `model` at `fraction` of its no-remat temp bytes, explain, check, train; then plan the
+    whole training step with `smartremat.filter_jit`."""
     print(f"\n=== {name} ===")
-    none_temp = compiled_temp(model, lambda m, a: jnp.sum(m(a)), x)
+    none_temp = compiled_temp(model, loss, batches[0])
     budget_mb = fraction * none_temp / smartremat.MB
-    print(f"no remat compiles to {none_temp / smartremat.MB:.2f} MB of temp; asking for budget_mb={budget_mb:.2f}")
+    print(f"the gradient of your loss compiles to {none_temp / smartremat.MB:.2f} MB of temp without remat; "
+          f"asking for budget_mb={budget_mb:.2f}")
     try:
         plan = smartremat.explain(model, x, budget_mb=budget_mb)
     except ValueError as e:  # the budget is below what any plan reaches: the error says the minimum
@@ -55,12 +62,32 @@ def demo(name, model, x, loss, batches, lr, fraction=0.5):
         plan = smartremat.explain(model, x, budget_mb=budget_mb)
     print(plan)
     planned = smartremat.smartremat(budget_mb=budget_mb)(model)
-    temp = compiled_temp(planned, lambda m, a: jnp.sum(m(a)), x)
+    temp = compiled_temp(planned, loss, batches[0])
     fits = temp <= plan.budget_bytes
-    print(f"compiled temp of the planned step: {temp / smartremat.MB:.2f} MB "
+    print(f"compiled temp of your gradient step with the planned model: {temp / smartremat.MB:.2f} MB "
           f"(budget {budget_mb:.2f} MB): {'fits' if fits else 'DOES NOT FIT'}")
-    print(f"training {len(batches)} steps:")
-    train(planned, loss, batches, lr)
+    print(f"training {len(batches)} steps (decorated model):")
+    train(eqx.filter_jit(sgd_step(loss, lr)), planned, batches)
+
+    fresh = lambda: jax.tree.map(lambda a: jnp.array(a, copy=True) if eqx.is_array(a) else a, model)  # noqa: E731
+    unbound = smartremat.filter_jit(sgd_step(loss, lr), budget_mb=1e6, donate="all")  # binds nothing: no remat
+    step_none = smartremat.explain(unbound, fresh(), batches[0]).compiled_peak_bytes
+    step_mb = fraction * step_none / smartremat.MB
+    try:
+        step = smartremat.filter_jit(sgd_step(loss, lr), budget_mb=step_mb, donate="all")
+        step_plan = smartremat.explain(step, fresh(), batches[0])
+    except ValueError as e:  # gradients and updates take memory no remat plan can give back
+        print(f"  {e}")
+        step_mb = float(str(e).split("at least ")[1].split(",")[0])
+        step = smartremat.filter_jit(sgd_step(loss, lr), budget_mb=step_mb, donate="all")
+        step_plan = smartremat.explain(step, fresh(), batches[0])
+    whole = step.lower(fresh(), batches[0]).compile().memory_analysis().temp_size_in_bytes
+    fits &= whole <= step_plan.budget_bytes
+    print(f"the whole step (loss, gradient, SGD update, arguments donated) compiles to "
+          f"{step_none / smartremat.MB:.2f} MB of temp without remat; through "
+          f"smartremat.filter_jit(budget_mb={step_mb:.2f}): {whole / smartremat.MB:.2f} MB, "
+          f"{'fits' if whole <= step_plan.budget_bytes else 'DOES NOT FIT'}; policies {step_plan.policies}")
+    train(step, fresh(), batches)
     return fits
 
 
@@ -70,7 +97,7 @@ def main() -> int:
     key = jax.random.key(0)
     x = jax.random.normal(key, (64, 512))
     stack = TutorialStack(8, 512, 8192, key)
-    mse = lambda m, xy: jnp.mean((m(xy[0]) - xy[1]) ** 2)
+    mse = lambda m, xy: jnp.mean((m(xy[0]) - xy[1]) ** 2)  # the tutorial's own loss
     ok = demo("tutorial block x -> gelu(x @ W1) @ W2 (batch 64, 512 -> 8192 -> 512), residual stack of 8",
               stack, x, mse, [(x, jnp.tanh(x))] * 3, 1e-4)
 
