@@ -9,3 +9,35 @@ if flag not in os.environ.get("XLA_FLAGS", ""):
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # benchmarks/
 assert "jax" not in sys.modules or flag in os.environ["XLA_FLAGS"]
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def fit_log():
+    """Rows `(test, model, budget MB, compiled temp MB of the user's step, plan)` that fit tests
+    append; with SMARTREMAT_FIT_LOG=path set, written there as a markdown table at the end, so
+    the figures reported are exactly those the tests asserted on."""
+    rows: list[tuple] = []
+    yield rows
+    path = os.environ.get("SMARTREMAT_FIT_LOG")
+    if not path or not rows:
+        return
+    import jax
+
+    lines = [f"Compiled temp bytes of the user's own step beside the budget (jax {jax.__version__}, "
+             f"{jax.devices()[0].device_kind}, XLA_FLAGS=`{os.environ.get('XLA_FLAGS', '')}`), written by "
+             "`SMARTREMAT_FIT_LOG=<path> python -m pytest tests/test_fit.py tests/test_step.py "
+             "tests/test_losses.py`.", "",
+             "| test | model | budget MB | compiled MB | fits | plan |", "|---|---|---|---|---|---|"]
+    for test, model, budget, temp, plan in rows:
+        lines.append(f"| {test} | {model} | {budget:.3f} | {temp:.3f} | {'yes' if temp <= budget else 'NO'} | {plan} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def short_plan(policies: dict) -> str:
+    """`{path: policy}` in a few characters: `none`, `dots`, `dots_nb`, `full`, nested kept short."""
+    names = {"dots_saveable": "dots", "dots_with_no_batch_dims_saveable": "dots_nb", "nothing_saveable": "full"}
+    return " ".join(names.get(p, p) for p in policies.values())

@@ -17,6 +17,7 @@ import smartremat
 from benchmarks.common import compile_step, exact
 from smartremat import MB
 
+from conftest import short_plan
 from helpers import tree_allclose, uniform
 from models import GPT, Batched, ConvNet, MLPStack, Transformer, TutorialBlock
 
@@ -62,7 +63,7 @@ def _floor(model, x, vmapped, **options) -> float:
     return float(re.search(r"at least ([0-9.]+)", str(e.value)).group(1))
 
 
-def _check(case, **options):
+def _check(case, fit_log, test, **options):
     """Five budgets from the lowest smartremat accepts (at or above full remat's temp bytes in the
     user's step) to no remat's: each fits, temp bytes never rise, gradients equal no remat's."""
     name, model, x, user, uniforms, (none, full), want = case
@@ -78,20 +79,21 @@ def _check(case, **options):
         assert tree_allclose(jax.tree.leaves(run(params, x)), want, rtol=1e-6), (name, plan.policies)
         temps.append(temp)
         flops_seen.append(flops)
+        fit_log.append((test, name, budget / MB, temp / MB, short_plan(plan.policies)))
     assert all(b <= a for a, b in zip(temps, temps[1:])), temps
     return budgets, temps, flops_seen
 
 
-def test_fits_the_users_step_with_the_default_losses(case):
+def test_fits_the_users_step_with_the_default_losses(case, fit_log):
     """No `loss=`: plans are verified on squared error and cross-entropy, and fit the user's loss."""
-    _, temps, _ = _check(case)
+    _, temps, _ = _check(case, fit_log, "decorator, default losses")
     assert temps[-1] < temps[0], "the lowest budget should need remat"
 
 
-def test_exact_loss_is_never_costlier_than_the_best_fitting_uniform_plan(case):
+def test_exact_loss_is_never_costlier_than_the_best_fitting_uniform_plan(case, fit_log):
     """With `loss=` the user's own loss is compiled, so fit and cost are exact on their step."""
     name, model, x, user, uniforms, _, _ = case
-    budgets, _, flops_seen = _check(case, **exact(user(model), x))
+    budgets, _, flops_seen = _check(case, fit_log, "decorator, loss=", **exact(user(model), x))
     for budget, flops in zip(budgets, flops_seen):
         fitting = [f for t, f in uniforms.values() if t <= budget]
         assert flops <= min(fitting) * (1 + 1e-9), (name, budget, flops, min(fitting))

@@ -19,6 +19,7 @@ import pytest
 import smartremat
 from smartremat import MB
 
+from conftest import short_plan
 from helpers import tree_allclose
 from models import MLPStack, Transformer
 
@@ -59,7 +60,7 @@ def user_step(model, loss, x, y):
 
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 @pytest.mark.parametrize("loss_name", sorted(LOSSES))
-def test_default_verification_fits_other_real_losses(model_name, loss_name):
+def test_default_verification_fits_other_real_losses(model_name, loss_name, fit_log):
     make, shape = MODELS[model_name]
     model = WithHidden(make())
     loss = LOSSES[loss_name]
@@ -76,5 +77,8 @@ def test_default_verification_fits_other_real_losses(model_name, loss_name):
     for budget in np.linspace(none, floor, 3):
         wrapped = smartremat.smartremat(budget_mb=float(budget) / MB)(model)
         temp, got = user_step(wrapped, loss, x, y)
-        assert temp <= budget, (loss_name, budget / MB, temp / MB, smartremat.explain(wrapped, x).policies)
+        plan = smartremat.explain(wrapped, x)
+        fit_log.append((f"decorator, user loss {loss_name}", model_name, budget / MB, temp / MB,
+                        short_plan(plan.policies)))
+        assert temp <= budget, (loss_name, budget / MB, temp / MB, plan.policies)
         assert tree_allclose(jax.tree.leaves(got), jax.tree.leaves(want), rtol=1e-6)

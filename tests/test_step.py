@@ -19,6 +19,7 @@ import smartremat
 from benchmarks.common import output_loss, target_of
 from smartremat import MB
 
+from conftest import short_plan
 from helpers import tree_allclose
 from models import GPT, Batched, ConvNet, MLPStack, Transformer, TutorialBlock
 
@@ -84,7 +85,7 @@ def _floor(step, model, x, y) -> float:
     return float(re.search(r"at least ([0-9.]+)", str(e.value)).group(1))
 
 
-def test_whole_step_fits_is_monotone_and_equals_the_plain_step(case):
+def test_whole_step_fits_is_monotone_and_equals_the_plain_step(case, fit_log):
     name, model, x, y, step, none, want = case
     floor = _floor(step, model, x, y)
     temps = []
@@ -97,6 +98,7 @@ def test_whole_step_fits_is_monotone_and_equals_the_plain_step(case):
         assert plan.compiled_peak_bytes == temp
         assert tree_allclose(got, want, rtol=1e-6), (name, plan.policies)
         temps.append(temp)
+        fit_log.append(("filter_jit, whole SGD step", name, budget, temp / MB, short_plan(plan.policies)))
     assert all(b <= a for a, b in zip(temps, temps[1:])), temps
     if name != "tutorial":  # one block and SGD: the whole step is smallest without remat
         assert temps[-1] < temps[0], "the lowest budget should need remat"
