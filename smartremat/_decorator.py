@@ -17,7 +17,7 @@ from ._plan import MB, Plan
 from ._serialise import signature
 from ._policies import normalise_policies
 from ._spec import make_spec
-from ._verify import DEFAULT_LOSSES, UserLoss
+from ._verify import DEFAULT_LOSSES, UserLoss, abstract_args
 
 
 def _check_budget(budget_mb: Any, name: str = "smartremat(budget_mb=...)") -> int:
@@ -60,7 +60,7 @@ def make_config(budget_mb: Any, *, policies: Sequence[Any] | None = None, blocks
 def _losses(loss: Callable | None, loss_args: Any, name: str) -> tuple:
     """The losses plans are verified on: the user's own, or the default real losses."""
     if loss is None:
-        if not (loss_args == () or loss_args is None):
+        if not (loss_args is None or isinstance(loss_args, (tuple, list)) and not loss_args):
             raise ValueError(
                 f"`{name}(loss_args=...)` was given without `loss=`: they are the extra arguments of "
                 "your loss, `loss(output, *loss_args)`. Pass `loss=` too, or drop `loss_args`."
@@ -73,9 +73,8 @@ def _losses(loss: Callable | None, loss_args: Any, name: str) -> tuple:
             "`loss=lambda out, y: jnp.mean((out - y) ** 2), loss_args=(jax.ShapeDtypeStruct((64, 512), jnp.float32),)`."
         )
     if not callable(loss_args):
-        given = tuple(loss_args) if isinstance(loss_args, (tuple, list)) else (loss_args,)
         try:
-            loss_args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), given)
+            loss_args = abstract_args(loss_args)
         except Exception as e:
             raise TypeError(
                 f"`{name}(loss_args=...)` should be arrays or `jax.ShapeDtypeStruct`s (the extra "
@@ -87,7 +86,7 @@ def _losses(loss: Callable | None, loss_args: Any, name: str) -> tuple:
 
 def planned_call(module: Any, call: Callable, config: _planner.Config, args: tuple, kwargs: dict):
     """Plan (once per signature) and run `call(module, *args, **kwargs)` under the plan."""
-    if _intercept.in_step():  # inside `smartremat.filter_jit`: the step's plan covers this module
+    if _intercept.in_root_call():  # inside a module `smartremat.filter_jit` plans: its plan covers this one
         return call(module, *args, **kwargs)
     spec = make_spec(module, args, kwargs)
     if config.plan is not None:

@@ -9,11 +9,13 @@ exactly as the decorator does (one `Model` per module call, joined in call order
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,7 +86,7 @@ class Signature:
 
     def key(self) -> tuple:
         return (self.treedef, self.static, tuple(
-            (a.shape, str(a.dtype), getattr(a, "weak_type", False), getattr(a, "sharding", None)) for a in self.avals))
+            (a.shape, str(a.dtype), getattr(a, "weak_type", False), _placement(a)) for a in self.avals))
 
     def rebuild(self, dynamic: tuple) -> tuple[tuple, dict]:
         leaves: list[Any] = []
@@ -92,6 +94,23 @@ class Signature:
         for i in range(len(self.avals) + len(self.static)):
             leaves.append(stat[i] if i in stat else next(it))
         return jax.tree.unflatten(self.treedef, leaves)
+
+
+def bind(fun: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call as `fun`'s signature binds it (as `eqx.filter_jit` does), so a keyword argument
+    and the same one passed by position are one signature, and "first" means the first parameter."""
+    try:
+        bound = inspect.signature(fun).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return tuple(args), dict(kwargs)
+    return bound.args, bound.kwargs
+
+
+def _placement(aval: jax.ShapeDtypeStruct) -> Any:
+    """What of an argument's placement changes the program: its sharding over several devices
+    (a numpy array, a jax array on the default device and a ShapeDtypeStruct are all one)."""
+    sharding = getattr(aval, "sharding", None)
+    return sharding if sharding is not None and len(sharding.device_set) > 1 else None
 
 
 def split_args(args: tuple, kwargs: dict) -> tuple[Signature, list]:
@@ -105,16 +124,18 @@ def split_args(args: tuple, kwargs: dict) -> tuple[Signature, list]:
 def root_modules(fun: Callable, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
     """`(label, module)` for the outermost callable Equinox modules among the arguments."""
     try:
-        bound = inspect.signature(fun).bind(*args, **kwargs).arguments
+        bound = dict(inspect.signature(fun).bind(*args, **kwargs).arguments)
     except (TypeError, ValueError):
         bound = {f"args[{i}]": a for i, a in enumerate(args)} | dict(kwargs)
     found = []
-    for name, value in bound.items():
-        paths = jax.tree_util.tree_flatten_with_path(value, is_leaf=lambda x: isinstance(x, eqx.Module))[0]
-        for path, leaf in paths:
-            if isinstance(leaf, eqx.Module) and callable(leaf):
-                found.append((name + jax.tree_util.keystr(path), leaf))
+    for name, value in bound.items():  # into non-callable containers (a TrainState holding the model)
+        paths = jax.tree_util.tree_flatten_with_path(value, is_leaf=_callable_module)[0]
+        found += [(name + jax.tree_util.keystr(path), leaf) for path, leaf in paths if _callable_module(leaf)]
     return found
+
+
+def _callable_module(x: Any) -> bool:
+    return isinstance(x, eqx.Module) and callable(x)
 
 
 def _root_of(module: Any, call: Callable) -> tuple[Any, Callable]:
@@ -124,9 +145,38 @@ def _root_of(module: Any, call: Callable) -> tuple[Any, Callable]:
 
 
 class _Box:
-    """The static part of the step's output, set when the step is traced."""
+    """Set when the step is traced: the static part of its output, and the context that saw its
+    module calls."""
 
     value: Any = None
+    context: _intercept.StepContext | None = None
+
+    @property
+    def calls(self) -> int:
+        return 0 if self.context is None else self.context.calls
+
+
+_TRACE_LOCK = threading.RLock()
+
+
+def traced_once(trace: Callable[[], Any], box: _Box, expected: int | None) -> Any:
+    """`trace()` (which traces the step), checked: every module call must have been seen
+    (`expected` of them, or at least one). A step that calls its modules inside its own
+    `jax.jit`/`eqx.filter_jit`/`jax.checkpoint` function may reuse a trace JAX cached under
+    another plan; then JAX's caches are cleared (`jax.clear_caches()`) and it is traced again.
+    Traces are serialised, so that no other plan's trace refills those caches meanwhile."""
+    with _TRACE_LOCK:
+        out = trace()
+        if box.calls == expected or (expected is None and box.calls):
+            return out
+        jax.clear_caches()
+        out = trace()
+    if expected is not None and box.calls != expected:
+        raise RuntimeError(
+            f"smartremat.filter_jit: the step called its modules {box.calls} times in this trace and "
+            f"{expected} times when it was planned. A step must make the same module calls on every "
+            "trace (no Python-side randomness or state deciding which modules run).")
+    return out
 
 
 def _label(module: Any, owners: dict[int, str], roots: list[tuple[str, Any]], seen: dict) -> str:
@@ -148,7 +198,8 @@ def _traced(fun: Callable, sig: Signature, context: Callable[..., _intercept.Ste
 
     def f(*dynamic):
         args, kwargs = sig.rebuild(dynamic)
-        with _intercept.active(context(args, kwargs)):
+        box.context = context(args, kwargs)
+        with _intercept.active(box.context):
             out = fun(*args, **kwargs)
         arrays, box.value = eqx.partition(out, eqx.is_array)
         return arrays
@@ -169,6 +220,7 @@ def _record(fun: Callable, sig: Signature, roots: list[tuple[str, Any]]) -> list
         return call(module, *args, **kwargs)
 
     def context(args, kwargs):  # the traced arguments: which input arrays belong to which module
+        owners.clear()
         for name, m in root_modules(fun, args, kwargs):
             owners.update({id(x): name for x in jax.tree.leaves(m) if isinstance(x, jax.core.Tracer)})
         return _intercept.StepContext(classes, on_root)
@@ -177,7 +229,9 @@ def _record(fun: Callable, sig: Signature, roots: list[tuple[str, Any]]) -> list
     with _intercept.installed(classes), mesh_context(sig.avals), warnings.catch_warnings():
         # under an Auto mesh the module calls show no sharding: the step's compiles will (see the plan's note)
         warnings.filterwarnings("ignore", message="smartremat sees a device mesh")
-        jax.make_jaxpr(_traced(fun, sig, context, _Box()))(*sig.avals)
+        box = _Box()
+        f = _traced(fun, sig, context, box)
+        traced_once(lambda: (calls.clear(), seen.clear(), jax.make_jaxpr(f)(*sig.avals)), box, None)
     return calls
 
 
@@ -193,7 +247,8 @@ def _applying(classes: frozenset, assignments: tuple) -> Callable[[], _intercept
             if k >= len(assignments):
                 raise RuntimeError(
                     "smartremat.filter_jit: the step called its modules more times than when it was "
-                    f"planned ({len(assignments)}). A step must make the same module calls on every trace.")
+                    f"planned ({len(assignments)}). A step must make the same module calls on every "
+                    "trace (no Python-side randomness or state deciding which modules run).")
             module, call = _root_of(module, call)
             return run(module, call, assignments[k], args, kwargs)
 
@@ -210,10 +265,18 @@ def lower_step(fun: Callable, sig: Signature, entry_of: tuple, donate: str) -> t
     classes, assignments = entry_of
     box = _Box()
     f = _traced(fun, sig, _applying(classes, assignments), box)
-    with _intercept.installed(classes), mesh_context(sig.avals), warnings.catch_warnings():
-        # as `eqx.filter_jit(donate="all")` does: donated inputs no output can reuse (the batch) are fine
+    with _intercept.installed(classes), mesh_context(sig.avals), quiet_donation():
+        jitted = jax.jit(f, donate_argnums=sig.donated(donate))
+        return traced_once(lambda: jitted.lower(*sig.avals), box, len(assignments)), box
+
+
+@contextlib.contextmanager
+def quiet_donation() -> Iterator[None]:
+    """As `eqx.filter_jit(donate="all")` does: donated inputs that no output can reuse (the batch)
+    are fine, not worth a warning."""
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        return jax.jit(f, donate_argnums=sig.donated(donate)).lower(*sig.avals), box
+        yield
 
 
 def figures_of(compiled: Any) -> StepFigures:
@@ -230,7 +293,12 @@ def step_figures(fun: Callable, sig: Signature, entry_of: tuple, donate: str) ->
     from ._verify import _assignment_key
 
     key = (fun, sig.key(), tuple(_assignment_key(a) for a in entry_of[1]), donate, *environment_key())
-    return _FIGURES.get(key, lambda: figures_of(lower_step(fun, sig, entry_of, donate)[0].compile()))
+    return _FIGURES.get(key, lambda: figures_of(_compile(lower_step(fun, sig, entry_of, donate)[0])))
+
+
+def _compile(lowered: Any) -> Any:
+    with quiet_donation():
+        return lowered.compile()
 
 
 def joined_model(models: list[_planner.Model], labels: list[str]) -> _planner.Model:
@@ -328,7 +396,7 @@ def plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], confi
     model = dataclasses.replace(model, fixed_bytes=max(base.temp - peak_of(stages, none), 0))
     lowest = min_peak(stages)
     sol = solve(stages, config.budget_bytes - model.fixed_bytes) or lowest
-    sol, compiled = _planner.verified(stages, config, measure, lambda floor: _too_low(fun, config, floor, name),
+    sol, compiled = _planner.verified(stages, config, measure, lambda floor: _too_low(fun, config, floor, name, options.auto),
                                       sol, lowest)
     plan = _planner.assemble(model, config, sol, lowest, compiled, time.perf_counter() - t0,
                              _signature(fun, sig))
@@ -356,10 +424,11 @@ def _signature(fun: Callable, sig: Signature) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _too_low(fun: Callable, config: _planner.Config, floor: int, name: str) -> ValueError:
+def _too_low(fun: Callable, config: _planner.Config, floor: int, name: str, auto: bool) -> ValueError:
     up = -(-floor * 100 // MB) / 100
+    asked = f'"auto"` ({config.budget_mb:.1f} MB of the device left for it)' if auto else f"{config.budget_mb:g})`"
     return ValueError(
-        f"`{name}(budget_mb={config.budget_mb:g})` is below the lowest temp memory any remat plan reaches "
+        f"`{name}(budget_mb={asked} is below the lowest temp memory any remat plan reaches "
         f"for the step `{getattr(fun, '__qualname__', fun)}` on these arguments: {floor / MB:.3f} MB (compiled "
         f"temp bytes of the whole step, per device). Raise `budget_mb` to at least {up:.2f}, lower the "
         "batch size, or shard the batch over more devices.")
@@ -390,6 +459,7 @@ class PlannedStep:
         self._entries: KeyedCache[tuple[Entry, Any, _Box]] = KeyedCache()
 
     def _entry(self, args: tuple, kwargs: dict) -> tuple[tuple[Entry, Any, _Box], list]:
+        args, kwargs = bind(self.__wrapped__, args, kwargs)
         sig, dynamic = split_args(args, kwargs)
         traced = any(isinstance(x, jax.core.Tracer) for x in dynamic)
         key = (sig.key(), traced, *environment_key())
@@ -401,14 +471,14 @@ class PlannedStep:
         if traced:  # called inside an outer jit: the step is inlined there
             return entry, None, _Box()
         lowered, box = lower_step(self.__wrapped__, sig, (entry.classes, entry.assignments), self.options.donate)
-        return entry, lowered.compile(), box
+        return entry, _compile(lowered), box
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         (entry, compiled, box), dynamic = self._entry(args, kwargs)
         if compiled is None:
             f = _traced(self.__wrapped__, entry.sig, _applying(entry.classes, entry.assignments), box)
             with _intercept.installed(entry.classes):
-                out = f(*dynamic)
+                out = traced_once(lambda: f(*dynamic), box, len(entry.assignments))
         else:
             out = compiled(*dynamic)
         return eqx.combine(out, box.value)
@@ -418,7 +488,7 @@ class PlannedStep:
         `.compile().memory_analysis()` then gives the compiler's figures of the step that runs."""
         (entry, _, _), _ = self._entry(args, kwargs)
         lowered, box = lower_step(self.__wrapped__, entry.sig, (entry.classes, entry.assignments), self.options.donate)
-        return Lowered(lowered, entry.sig, box)
+        return Lowered(lowered, entry.sig, box, self.__wrapped__)
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The `Plan` for these arguments (made on first use): what `smartremat.explain` returns."""
@@ -428,22 +498,22 @@ class PlannedStep:
 class Lowered:
     """The lowered planned step: `.compile()` gives a `Compiled`; `.as_text()` its StableHLO."""
 
-    def __init__(self, lowered: Any, sig: Signature, box: _Box):
-        self.lowered, self._sig, self._box = lowered, sig, box
+    def __init__(self, lowered: Any, sig: Signature, box: _Box, fun: Callable):
+        self.lowered, self._sig, self._box, self._fun = lowered, sig, box, fun
 
     def as_text(self) -> str:
         return self.lowered.as_text()
 
     def compile(self) -> Compiled:
-        return Compiled(self.lowered.compile(), self._sig, self._box)
+        return Compiled(_compile(self.lowered), self._sig, self._box, self._fun)
 
 
 class Compiled:
     """The compiled planned step: called with the step's arguments; `memory_analysis()` and
     `cost_analysis()` are the compiler's (per device when sharded)."""
 
-    def __init__(self, compiled: Any, sig: Signature, box: _Box):
-        self.compiled, self._sig, self._box = compiled, sig, box
+    def __init__(self, compiled: Any, sig: Signature, box: _Box, fun: Callable):
+        self.compiled, self._sig, self._box, self._fun = compiled, sig, box, fun
 
     def memory_analysis(self) -> Any:
         return self.compiled.memory_analysis()
@@ -452,7 +522,7 @@ class Compiled:
         return self.compiled.cost_analysis()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        sig, dynamic = split_args(args, kwargs)
+        sig, dynamic = split_args(*bind(self._fun, args, kwargs))
         if sig.key()[:2] != self._sig.key()[:2]:
             raise ValueError("This compiled step was lowered for other arguments (structure or static "
                              "values); lower and compile it for these.")

@@ -81,21 +81,34 @@ class CrossEntropy:
 DEFAULT_LOSSES = (SquaredError(), CrossEntropy(), CrossEntropy(labels=True))
 
 
+def abstract_args(given: Any) -> tuple:
+    """`loss_args` as a hashable value: `(treedef, ShapeDtypeStructs)` of the argument tuple
+    (one argument if a single one is given; `None` is no argument), shardings kept."""
+    given = () if given is None else tuple(given) if isinstance(given, (tuple, list)) else (given,)
+    leaves, treedef = jax.tree.flatten(given)
+
+    def struct(a: Any) -> jax.ShapeDtypeStruct:
+        sharding = getattr(a, "sharding", None)
+        return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), sharding=sharding,
+                                    weak_type=getattr(a, "weak_type", False))
+
+    return treedef, tuple(struct(a) for a in leaves)
+
+
 @dataclass(frozen=True)
 class UserLoss:
     """`smartremat(loss=fn, loss_args=...)`: `fn(output, *loss_args)` is the user's loss.
 
-    `args` are `jax.ShapeDtypeStruct`s, or a function from the output's shapes to arrays or
-    `jax.ShapeDtypeStruct`s (when they depend on the batch).
+    `args` is `abstract_args(...)` of the extra arguments, or a function from the output's
+    shapes to them (when they depend on the batch).
     """
 
     fn: Callable[..., jax.Array]
     args: Any = ()
 
     def targets(self, out: Any) -> tuple:
-        given = self.args(out) if callable(self.args) else self.args
-        given = tuple(given) if isinstance(given, (tuple, list)) else (given,)
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), given)
+        treedef, leaves = abstract_args(self.args(out)) if callable(self.args) else self.args
+        return jax.tree.unflatten(treedef, leaves)
 
     def __call__(self, out: Any, *targets: Any) -> jax.Array:
         return self.fn(out, *targets)

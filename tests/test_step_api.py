@@ -148,3 +148,69 @@ def test_decorator_loss_errors_name_the_argument():
         smartremat.smartremat(budget_mb=1, loss_args=(jnp.ones(3),))
     with pytest.raises(TypeError, match=r"smartremat\(loss_args=...\)` should be arrays"):
         smartremat.smartremat(budget_mb=1, loss=jnp.mean, loss_args=("targets",))
+
+
+@eqx.filter_jit
+def jitted_loss(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def test_a_loss_under_its_own_filter_jit_gets_the_plan():
+    """JAX caches the inner jit's trace: the plan of each candidate must still reach the module."""
+    model, _, x, y = _setup()
+    inner = lambda m, x, y: eqx.filter_grad(jitted_loss)(m, x, y)  # noqa: E731
+    want = eqx.filter_jit(inner)(model, x, y)  # the inner trace is cached before planning
+    none = _temp(eqx.filter_jit(inner), model, x, y)
+    planned = smartremat.filter_jit(inner, budget_mb=none / MB * 0.6)
+    assert any(p != "none" for p in smartremat.explain(planned, model, x, y).policies.values())
+    assert _temp(planned, model, x, y) <= none * 0.6
+    assert tree_allclose(planned(model, x, y), want, rtol=1e-6)
+
+
+class Sub(MLPStack):
+    def __call__(self, x):
+        return super().__call__(x) * 2.0
+
+
+class Inherits(MLPStack):
+    pass
+
+
+@pytest.mark.parametrize("cls", [Sub, Inherits])
+def test_a_subclass_and_its_base_in_one_step(cls):
+    base, other = _setup()[0], cls(3, 64, 1024, jax.random.key(1))
+    x = jnp.ones((64, 64))
+
+    def both(a, b, x):
+        return eqx.filter_grad(lambda ab: jnp.mean(ab[0](x) ** 2) + jnp.mean(ab[1](x) ** 2))((a, b))
+
+    planned = smartremat.filter_jit(both, budget_mb=100)
+    assert {p.split(".")[0] for p in smartremat.explain(planned, base, other, x).policies} == {"a", "b"}
+    assert tree_allclose(planned(base, other, x), eqx.filter_jit(both)(base, other, x), rtol=1e-6)
+    assert MLPStack.__call__ is MLPStack.__dict__["__call__"] and "__call__" not in Inherits.__dict__
+
+
+class TrainState(eqx.Module):
+    model: MLPStack
+    step: jax.Array
+
+
+def test_a_model_inside_a_train_state_and_keyword_arguments():
+    model, _, x, y = _setup()
+
+    def train(state, x, y):
+        return grads(state.model, x, y)
+
+    planned = smartremat.filter_jit(train, budget_mb=100, donate="all-except-first")
+    plan = planned.plan(TrainState(model, jnp.zeros(())), x, y)
+    assert set(plan.policies) == {f"layers[{i}]" for i in range(3)}
+    state = TrainState(model, jnp.zeros(()))
+    planned(state=state, x=jnp.array(x), y=jnp.array(y))  # by keyword: `state` is still the first argument
+    assert not model.layers[0].block.w1.is_deleted()
+
+
+def test_loss_args_as_a_dict_keep_their_structure():
+    model, _, x, y = _setup()
+    loss = lambda out, t: jnp.mean((out - t["y"]) ** 2)  # noqa: E731
+    wrapped = smartremat.smartremat(budget_mb=100, loss=loss, loss_args={"y": y})(model)
+    assert smartremat.explain(wrapped, x).compiled_peak_bytes is not None
