@@ -8,7 +8,7 @@ from ._plan import Plan as Plan
 from ._plan import PlanBlock as PlanBlock
 from ._plan import PolicyFigures as PolicyFigures
 from ._serialise import load_plan as load_plan
-from ._step import filter_jit as filter_jit
+from ._filter_jit import filter_jit as filter_jit
 
 smartremat.explain = explain  # `from smartremat import smartremat; smartremat.explain(...)`
 

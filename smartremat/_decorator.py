@@ -9,8 +9,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
-import jax
-import jax.numpy as jnp
 
 from . import _apply, _intercept, _planner
 from ._plan import MB, Plan

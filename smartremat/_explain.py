@@ -11,7 +11,7 @@ from . import _planner
 from ._decorator import _check_budget, config_of, make_config
 from ._plan import Plan
 from ._spec import make_spec, vmapped_spec
-from ._step import PlannedStep
+from ._filter_jit import PlannedStep
 
 
 def explain(

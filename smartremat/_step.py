@@ -1,19 +1,16 @@
-"""`smartremat.filter_jit(step, budget_mb=...)`: plan the modules of a whole training step.
+"""A training step as smartremat traces and compiles it (for `smartremat.filter_jit`).
 
-The step (loss, gradient, optimizer update) is the program the budget is held against: every
-candidate plan is compiled as the step itself, with the arguments' shapes, dtypes and
-shardings, and the plan kept is the cheapest whose compiled temp bytes fit. The modules planned
-are the Equinox modules among the step's arguments; their blocks are found, profiled and solved
-exactly as the decorator does (one `Model` per module call, joined in call order).
+Its arguments split as `eqx.filter_jit` splits them (arrays traced, the rest static); its
+module calls recorded (which modules among its arguments it calls, on what abstract inputs) or
+run under a plan (one assignment per module call); every candidate compiled as the whole step,
+with the arguments' shapes, dtypes and shardings, for the compiler's figures.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import threading
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,15 +20,12 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from . import _intercept, _jax_private, _planner
+from . import _intercept, _jax_private
 from ._apply import run
 from ._cache import KeyedCache, environment_key
-from ._decorator import config_of, make_config
-from ._memory import peak_of
-from ._plan import MB, Plan
+from ._decorator import config_of
 from ._profile import mesh_context
-from ._solve import min_peak, solve
-from ._spec import CallSpec, abstract, make_spec, shardings_hidden
+from ._spec import CallSpec, abstract, make_spec
 
 
 @dataclass(frozen=True)
@@ -144,7 +138,7 @@ def _root_of(module: Any, call: Callable) -> tuple[Any, Callable]:
     return (found[2], found[1]) if found is not None else (module, call)
 
 
-class _Box:
+class Box:
     """Set when the step is traced: the static part of its output, and the context that saw its
     module calls."""
 
@@ -159,7 +153,7 @@ class _Box:
 _TRACE_LOCK = threading.RLock()
 
 
-def traced_once(trace: Callable[[], Any], box: _Box, expected: int | None) -> Any:
+def traced_once(trace: Callable[[], Any], box: Box, expected: int | None) -> Any:
     """`trace()` (which traces the step), checked: every module call must have been seen
     (`expected` of them, or at least one). A step that calls its modules inside its own
     `jax.jit`/`eqx.filter_jit`/`jax.checkpoint` function may reuse a trace JAX cached under
@@ -192,7 +186,7 @@ def _label(module: Any, owners: dict[int, str], roots: list[tuple[str, Any]], se
     return name if seen[name] == 1 else f"{name}#{seen[name]}"
 
 
-def _traced(fun: Callable, sig: Signature, context: Callable[..., _intercept.StepContext], box: _Box) -> Callable:
+def traced(fun: Callable, sig: Signature, context: Callable[..., _intercept.StepContext], box: Box) -> Callable:
     """`f(*dynamic)`: the step on the rebuilt arguments, its module calls handed to
     `context(args, kwargs)`; returns the array part of the output (the rest goes to `box`)."""
 
@@ -207,7 +201,7 @@ def _traced(fun: Callable, sig: Signature, context: Callable[..., _intercept.Ste
     return f
 
 
-def _record(fun: Callable, sig: Signature, roots: list[tuple[str, Any]]) -> list[RootCall]:
+def record(fun: Callable, sig: Signature, roots: list[tuple[str, Any]]) -> list[RootCall]:
     """Trace the step once (abstractly) and record each call of an argument module."""
     calls: list[RootCall] = []
     seen: dict = {}
@@ -229,13 +223,13 @@ def _record(fun: Callable, sig: Signature, roots: list[tuple[str, Any]]) -> list
     with _intercept.installed(classes), mesh_context(sig.avals), warnings.catch_warnings():
         # under an Auto mesh the module calls show no sharding: the step's compiles will (see the plan's note)
         warnings.filterwarnings("ignore", message="smartremat sees a device mesh")
-        box = _Box()
-        f = _traced(fun, sig, context, box)
+        box = Box()
+        f = traced(fun, sig, context, box)
         traced_once(lambda: (calls.clear(), seen.clear(), jax.make_jaxpr(f)(*sig.avals)), box, None)
     return calls
 
 
-def _applying(classes: frozenset, assignments: tuple) -> Callable[[], _intercept.StepContext]:
+def applying(classes: frozenset, assignments: tuple) -> Callable[[], _intercept.StepContext]:
     """A fresh context (per trace) running the `k`-th module call under `assignments[k]`."""
 
     def make(*_: Any) -> _intercept.StepContext:
@@ -260,11 +254,11 @@ def _applying(classes: frozenset, assignments: tuple) -> Callable[[], _intercept
 _FIGURES: KeyedCache[StepFigures] = KeyedCache()
 
 
-def lower_step(fun: Callable, sig: Signature, entry_of: tuple, donate: str) -> tuple[Any, _Box]:
+def lower_step(fun: Callable, sig: Signature, entry_of: tuple, donate: str) -> tuple[Any, Box]:
     """The step lowered with `(classes, assignments)` applied: `(jax Lowered, output box)`."""
     classes, assignments = entry_of
-    box = _Box()
-    f = _traced(fun, sig, _applying(classes, assignments), box)
+    box = Box()
+    f = traced(fun, sig, applying(classes, assignments), box)
     with _intercept.installed(classes), mesh_context(sig.avals), quiet_donation():
         jitted = jax.jit(f, donate_argnums=sig.donated(donate))
         return traced_once(lambda: jitted.lower(*sig.avals), box, len(assignments)), box
@@ -293,295 +287,9 @@ def step_figures(fun: Callable, sig: Signature, entry_of: tuple, donate: str) ->
     from ._verify import _assignment_key
 
     key = (fun, sig.key(), tuple(_assignment_key(a) for a in entry_of[1]), donate, *environment_key())
-    return _FIGURES.get(key, lambda: figures_of(_compile(lower_step(fun, sig, entry_of, donate)[0])))
+    return _FIGURES.get(key, lambda: figures_of(compile_quietly(lower_step(fun, sig, entry_of, donate)[0])))
 
 
-def _compile(lowered: Any) -> Any:
+def compile_quietly(lowered: Any) -> Any:
     with quiet_donation():
         return lowered.compile()
-
-
-def joined_model(models: list[_planner.Model], labels: list[str]) -> _planner.Model:
-    """The models of several module calls as one, in call order; paths start with the label of
-    the argument each module came from (no prefix for a single call)."""
-    if len(models) == 1:
-        return models[0]
-    calls, profiles, stages, owner, menus, fixed = [], [], [], [], [], 0
-    for model, label in zip(models, labels):
-        offset = 1 + max((st.group for st in stages), default=-1)
-        run_offset = 1 + max((st.run for st in stages if st.run is not None), default=-1)
-        owner += [o + len(calls) for o in model.owner]
-        calls += [dataclasses.replace(c, path=(("attr", label),) + c.path) for c in model.calls]
-        stages += [dataclasses.replace(st, group=st.group + offset,
-                                       run=None if st.run is None else st.run + run_offset) for st in model.stages]
-        profiles += model.profiles
-        menus += model.menus
-        fixed += model.fixed_bytes
-    return _planner.Model(tuple(calls), tuple(profiles), tuple(stages), fixed, tuple(owner), tuple(menus))
-
-
-def split_assignment(model: _planner.Model, choice: tuple[int, ...], labels: list[str]) -> tuple:
-    """One assignment per module call (paths relative to that module)."""
-    assignment = _planner.assignment_of(model, choice)
-    if len(labels) == 1:
-        return (assignment,)
-    return tuple(tuple((path[1:], pol) for path, pol in assignment if path[0] == ("attr", label))
-                 for label in labels)
-
-
-def _device_limit(sig: Signature) -> int | None:
-    """`bytes_limit` of the device the step's first argument lives on (None if not reported)."""
-    sharding = next((a.sharding for a in sig.avals if getattr(a, "sharding", None) is not None), None)
-    device = min(sharding.device_set, key=lambda d: d.id) if sharding is not None else jax.devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    return (stats or {}).get("bytes_limit")
-
-
-#: Share of the device's memory left to the allocator's fragmentation under `budget_mb="auto"`.
-AUTO_RESERVE = 0.05
-
-
-def auto_budget(sig: Signature, base: StepFigures, name: str) -> int:
-    """The device's memory minus the step's arguments, outputs (not aliased), code and a reserve."""
-    limit = _device_limit(sig)
-    if not limit:
-        raise ValueError(
-            f"`{name}(budget_mb=\"auto\")` needs the device's memory limit, and the "
-            f"{jax.default_backend()} backend reports none (`device.memory_stats()` has no "
-            "\"bytes_limit\"). Give the budget as a number of megabytes instead, e.g. `budget_mb=4096`.")
-    budget = int(limit * (1 - AUTO_RESERVE)) - base.arguments - base.outputs + base.alias - base.code
-    if budget <= 0:
-        raise ValueError(
-            f"`{name}(budget_mb=\"auto\")`: the step's arguments and outputs alone take "
-            f"{(base.arguments + base.outputs - base.alias) / MB:.1f} MB of the device's {limit / MB:.1f} MB, "
-            "leaving nothing for activations. Shard or shrink the arguments (parameters, optimizer state, batch).")
-    return budget
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One planned signature: the plan, the assignment per module call, the classes to watch."""
-
-    plan: Plan
-    assignments: tuple
-    classes: frozenset
-    sig: Signature
-
-
-def plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], config: _planner.Config,
-              options: StepOptions) -> Entry:
-    """Record the module calls, build and join their models, verify candidates on the step."""
-    t0 = time.perf_counter()
-    calls = _record(fun, sig, roots)
-    if not calls:
-        raise ValueError(_no_module_call(fun, roots, "smartremat.filter_jit"))
-    labels = [c.label for c in calls]
-    model = joined_model([_planner.build_model(c.call, c.spec, c.spec.rebuild(c.spec.dynamic)[0], config)
-                          for c in calls], labels)
-    classes = frozenset(type(m) for _, m in roots)
-    stages = model.stages
-
-    name = "smartremat.filter_jit"
-
-    def measure(choice):
-        f = step_figures(fun, sig, (classes, split_assignment(model, choice, labels)), options.donate)
-        return f.temp, f.flops
-
-    none = (0,) * len(stages)
-    base = step_figures(fun, sig, (classes, split_assignment(model, none, labels)), options.donate)
-    if options.auto:
-        budget = auto_budget(sig, base, name)
-        config = dataclasses.replace(config, budget_bytes=budget, budget_mb=budget / MB)
-    # the rest of the step (loss, update, optimizer state) calibrates the model at no remat
-    model = dataclasses.replace(model, fixed_bytes=max(base.temp - peak_of(stages, none), 0))
-    lowest = min_peak(stages)
-    sol = solve(stages, config.budget_bytes - model.fixed_bytes) or lowest
-    sol, compiled = _planner.verified(stages, config, measure, lambda floor: _too_low(fun, config, floor, name, options.auto),
-                                      sol, lowest)
-    plan = _planner.assemble(model, config, sol, lowest, compiled, time.perf_counter() - t0,
-                             _signature(fun, sig))
-    if any(shardings_hidden(c.spec) for c in calls) and any(_sharded(a) for a in sig.avals):
-        plan = dataclasses.replace(plan, notes=plan.notes + (HIDDEN_NOTE,))
-    return Entry(plan, split_assignment(model, sol.choice, labels), classes, sig)
-
-
-HIDDEN_NOTE = (
-    "the step's arguments are sharded over several devices, but inside `jit` JAX hides the shardings "
-    "of the module's values (a mesh with Auto axes): smartremat's predicted figures count one device "
-    "doing all the work, while the compiled figures, which chose this plan, are per device")
-
-
-def _sharded(aval: jax.ShapeDtypeStruct) -> bool:
-    sharding = getattr(aval, "sharding", None)
-    return sharding is not None and len(sharding.device_set) > 1
-
-
-def _signature(fun: Callable, sig: Signature) -> str:
-    import hashlib
-
-    text = repr((getattr(fun, "__qualname__", repr(fun)), str(sig.treedef),
-                 [(a.shape, str(a.dtype)) for a in sig.avals], jax.default_backend()))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _too_low(fun: Callable, config: _planner.Config, floor: int, name: str, auto: bool) -> ValueError:
-    up = -(-floor * 100 // MB) / 100
-    asked = f'"auto"` ({config.budget_mb:.1f} MB of the device left for it)' if auto else f"{config.budget_mb:g})`"
-    return ValueError(
-        f"`{name}(budget_mb={asked} is below the lowest temp memory any remat plan reaches "
-        f"for the step `{getattr(fun, '__qualname__', fun)}` on these arguments: {floor / MB:.3f} MB (compiled "
-        f"temp bytes of the whole step, per device). Raise `budget_mb` to at least {up:.2f}, lower the "
-        "batch size, or shard the batch over more devices.")
-
-
-def _no_module_call(fun: Callable, roots: list[tuple[str, Any]], name: str) -> str:
-    found = ", ".join(f"{n} ({type(m).__name__})" for n, m in roots) or "none"
-    return (
-        f"`{name}` found no call of an Equinox module among the arguments of "
-        f"`{getattr(fun, '__qualname__', fun)}` (modules among its arguments: {found}). It plans the "
-        "modules the step calls (`model(x)`, possibly under `jax.vmap` or `eqx.filter_grad`): pass the "
-        "model as an argument of the step and call it there, or use `eqx.filter_jit` for a step "
-        "without one.")
-
-
-class PlannedStep:
-    """A training step planned by `smartremat.filter_jit`: called like `eqx.filter_jit(step)`.
-
-    Plans once per argument signature (shapes, dtypes, shardings, static values); after that a
-    call runs the compiled step, with no tracing.
-    """
-
-    def __init__(self, fun: Callable, config: _planner.Config, options: StepOptions):
-        self.__wrapped__ = fun
-        self.__name__ = getattr(fun, "__name__", "step")
-        self.__doc__ = getattr(fun, "__doc__", None)
-        self.config, self.options = config, options
-        self._entries: KeyedCache[tuple[Entry, Any, _Box]] = KeyedCache()
-
-    def _entry(self, args: tuple, kwargs: dict) -> tuple[tuple[Entry, Any, _Box], list]:
-        args, kwargs = bind(self.__wrapped__, args, kwargs)
-        sig, dynamic = split_args(args, kwargs)
-        traced = any(isinstance(x, jax.core.Tracer) for x in dynamic)
-        key = (sig.key(), traced, *environment_key())
-        return self._entries.get(key, lambda: self._make(sig, args, kwargs, traced)), dynamic
-
-    def _make(self, sig: Signature, args: tuple, kwargs: dict, traced: bool) -> tuple[Entry, Any, _Box]:
-        roots = root_modules(self.__wrapped__, args, kwargs)
-        entry = plan_step(self.__wrapped__, sig, roots, self.config, self.options)
-        if traced:  # called inside an outer jit: the step is inlined there
-            return entry, None, _Box()
-        lowered, box = lower_step(self.__wrapped__, sig, (entry.classes, entry.assignments), self.options.donate)
-        return entry, _compile(lowered), box
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        (entry, compiled, box), dynamic = self._entry(args, kwargs)
-        if compiled is None:
-            f = _traced(self.__wrapped__, entry.sig, _applying(entry.classes, entry.assignments), box)
-            with _intercept.installed(entry.classes):
-                out = traced_once(lambda: f(*dynamic), box, len(entry.assignments))
-        else:
-            out = compiled(*dynamic)
-        return eqx.combine(out, box.value)
-
-    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
-        """Plan (if not yet) and lower the planned step, as `eqx.filter_jit(step).lower(...)`:
-        `.compile().memory_analysis()` then gives the compiler's figures of the step that runs."""
-        (entry, _, _), _ = self._entry(args, kwargs)
-        lowered, box = lower_step(self.__wrapped__, entry.sig, (entry.classes, entry.assignments), self.options.donate)
-        return Lowered(lowered, entry.sig, box, self.__wrapped__)
-
-    def plan(self, *args: Any, **kwargs: Any) -> Plan:
-        """The `Plan` for these arguments (made on first use): what `smartremat.explain` returns."""
-        return self._entry(args, kwargs)[0][0].plan
-
-
-class Lowered:
-    """The lowered planned step: `.compile()` gives a `Compiled`; `.as_text()` its StableHLO."""
-
-    def __init__(self, lowered: Any, sig: Signature, box: _Box, fun: Callable):
-        self.lowered, self._sig, self._box, self._fun = lowered, sig, box, fun
-
-    def as_text(self) -> str:
-        return self.lowered.as_text()
-
-    def compile(self) -> Compiled:
-        return Compiled(_compile(self.lowered), self._sig, self._box, self._fun)
-
-
-class Compiled:
-    """The compiled planned step: called with the step's arguments; `memory_analysis()` and
-    `cost_analysis()` are the compiler's (per device when sharded)."""
-
-    def __init__(self, compiled: Any, sig: Signature, box: _Box, fun: Callable):
-        self.compiled, self._sig, self._box, self._fun = compiled, sig, box, fun
-
-    def memory_analysis(self) -> Any:
-        return self.compiled.memory_analysis()
-
-    def cost_analysis(self) -> Any:
-        return self.compiled.cost_analysis()
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        sig, dynamic = split_args(*bind(self._fun, args, kwargs))
-        if sig.key()[:2] != self._sig.key()[:2]:
-            raise ValueError("This compiled step was lowered for other arguments (structure or static "
-                             "values); lower and compile it for these.")
-        return eqx.combine(self.compiled(*dynamic), self._box.value)
-
-
-@dataclass(frozen=True)
-class StepOptions:
-    """`filter_jit`'s own options: an automatic budget, and which arguments are donated."""
-
-    auto: bool = False
-    donate: str = "none"
-
-
-_DONATE = ("none", "all", "all-except-first")
-
-
-def filter_jit(fun: Callable | None = None, *, budget_mb: float | str, donate: str = "none",
-               policies: Any = None, calibrate: bool = True, scan_segments: int = 2,
-               nested: bool = True) -> Any:
-    """`eqx.filter_jit` for a whole training step, with remat planned so that it fits `budget_mb`.
-
-    **Arguments:**
-
-    - `fun`: the training step, e.g. `step(model, opt_state, x, y)` computing the loss, its
-      gradient (`eqx.filter_grad`, `jax.grad`, ...) and the optimizer update. Arrays in its
-      arguments are traced, everything else is static, as with `eqx.filter_jit`.
-    - `budget_mb`: the cap (MB = 2**20 bytes) on the compiled step's temp bytes
-      (`.lower(...).compile().memory_analysis().temp_size_in_bytes`, per device when the arguments
-      are sharded): everything the step allocates besides its arguments and outputs. `"auto"`:
-      the device's memory (`memory_stats()["bytes_limit"]`) less 5% reserve, the step's
-      arguments, its outputs (net of donated buffers) and its code.
-    - `donate`: as for `eqx.filter_jit`: `"none"`, `"all"` or `"all-except-first"`. Donating the
-      parameters and optimizer state lets their updates reuse the old buffers; without it, XLA may
-      lay temporaries out in the (not yet written) output buffers, and the temp bytes understate
-      what the step adds to memory.
-    - `policies`, `calibrate`, `scan_segments`, `nested`: as for `smartremat.smartremat`.
-
-    **Returns:**
-
-    A callable like `eqx.filter_jit(fun)`, with `.lower(*args)` and `.plan(*args)`. The Equinox
-    modules among the arguments (outermost ones, decorated ones included) are planned: every
-    candidate plan is compiled as the whole step and the cheapest whose temp bytes fit is kept.
-    """
-    auto = isinstance(budget_mb, str) and budget_mb == "auto"
-    name = "smartremat.filter_jit"
-    config = make_config(1.0 if auto else budget_mb, policies=policies, calibrate=calibrate,
-                         scan_segments=scan_segments, nested=nested, name=name)
-    if donate not in _DONATE:
-        raise ValueError(f"`{name}(donate=...)` should be one of {', '.join(map(repr, _DONATE))} (as for "
-                         f"`eqx.filter_jit`), not {donate!r}.")
-    options = StepOptions(auto, donate)
-    if fun is None:
-        return lambda f: PlannedStep(_check_fun(f, name), config, options)
-    return PlannedStep(_check_fun(fun, name), config, options)
-
-
-def _check_fun(fun: Any, name: str) -> Callable:
-    if not callable(fun):
-        raise TypeError(f"`{name}(fun=...)` should be your training step, a function, not "
-                        f"{type(fun).__name__} {fun!r:.60}; e.g. `{name}(step, budget_mb=512)`.")
-    return fun

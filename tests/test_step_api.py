@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import smartremat
-from smartremat import MB, _step
+from smartremat import MB, _step_plan
 
 from helpers import tree_allclose
 from models import MLPStack
@@ -108,9 +108,9 @@ def test_auto_budget_is_the_device_memory_less_arguments_outputs_and_reserve(mon
     args = _setup()
     plain = smartremat.filter_jit(step, budget_mb=1e6).lower(*args).compile().memory_analysis()  # no remat
     limit = 64 * MB
-    monkeypatch.setattr(_step, "_device_limit", lambda sig: limit)
+    monkeypatch.setattr(_step_plan, "_device_limit", lambda sig: limit)
     plan = smartremat.explain(smartremat.filter_jit(step, budget_mb="auto"), *args)
-    want = (int(limit * (1 - _step.AUTO_RESERVE)) - plain.argument_size_in_bytes - plain.output_size_in_bytes
+    want = (int(limit * (1 - _step_plan.AUTO_RESERVE)) - plain.argument_size_in_bytes - plain.output_size_in_bytes
             + plain.alias_size_in_bytes - plain.generated_code_size_in_bytes)
     assert plan.budget_bytes == want
     assert plan.compiled_peak_bytes <= want

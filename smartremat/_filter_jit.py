@@ -1,0 +1,152 @@
+"""`smartremat.filter_jit(step, budget_mb=...)`: `eqx.filter_jit` for a training step whose modules
+are planned so that the compiled step fits the budget."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from . import _intercept, _planner
+from ._cache import KeyedCache, environment_key
+from ._decorator import make_config
+from ._plan import Plan
+from ._step import Box, Signature, applying, bind, compile_quietly, lower_step, root_modules, split_args, traced, traced_once
+from ._step_plan import Entry, StepOptions, plan_step
+
+
+class PlannedStep:
+    """A training step planned by `smartremat.filter_jit`: called like `eqx.filter_jit(step)`.
+
+    Plans once per argument signature (shapes, dtypes, shardings, static values); after that a
+    call runs the compiled step, with no tracing.
+    """
+
+    def __init__(self, fun: Callable, config: _planner.Config, options: StepOptions):
+        self.__wrapped__ = fun
+        self.__name__ = getattr(fun, "__name__", "step")
+        self.__doc__ = getattr(fun, "__doc__", None)
+        self.config, self.options = config, options
+        self._entries: KeyedCache[tuple[Entry, Any, Box]] = KeyedCache()
+
+    def _entry(self, args: tuple, kwargs: dict) -> tuple[tuple[Entry, Any, Box], list]:
+        args, kwargs = bind(self.__wrapped__, args, kwargs)
+        sig, dynamic = split_args(args, kwargs)
+        traced = any(isinstance(x, jax.core.Tracer) for x in dynamic)
+        key = (sig.key(), traced, *environment_key())
+        return self._entries.get(key, lambda: self._make(sig, args, kwargs, traced)), dynamic
+
+    def _make(self, sig: Signature, args: tuple, kwargs: dict, traced: bool) -> tuple[Entry, Any, Box]:
+        roots = root_modules(self.__wrapped__, args, kwargs)
+        entry = plan_step(self.__wrapped__, sig, roots, self.config, self.options)
+        if traced:  # called inside an outer jit: the step is inlined there
+            return entry, None, Box()
+        lowered, box = lower_step(self.__wrapped__, sig, (entry.classes, entry.assignments), self.options.donate)
+        return entry, compile_quietly(lowered), box
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        (entry, compiled, box), dynamic = self._entry(args, kwargs)
+        if compiled is None:
+            f = traced(self.__wrapped__, entry.sig, applying(entry.classes, entry.assignments), box)
+            with _intercept.installed(entry.classes):
+                out = traced_once(lambda: f(*dynamic), box, len(entry.assignments))
+        else:
+            out = compiled(*dynamic)
+        return eqx.combine(out, box.value)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        """Plan (if not yet) and lower the planned step, as `eqx.filter_jit(step).lower(...)`:
+        `.compile().memory_analysis()` then gives the compiler's figures of the step that runs."""
+        (entry, _, _), _ = self._entry(args, kwargs)
+        lowered, box = lower_step(self.__wrapped__, entry.sig, (entry.classes, entry.assignments), self.options.donate)
+        return Lowered(lowered, entry.sig, box, self.__wrapped__)
+
+    def plan(self, *args: Any, **kwargs: Any) -> Plan:
+        """The `Plan` for these arguments (made on first use): what `smartremat.explain` returns."""
+        return self._entry(args, kwargs)[0][0].plan
+
+
+class Lowered:
+    """The lowered planned step: `.compile()` gives a `Compiled`; `.as_text()` its StableHLO."""
+
+    def __init__(self, lowered: Any, sig: Signature, box: Box, fun: Callable):
+        self.lowered, self._sig, self._box, self._fun = lowered, sig, box, fun
+
+    def as_text(self) -> str:
+        return self.lowered.as_text()
+
+    def compile(self) -> Compiled:
+        return Compiled(compile_quietly(self.lowered), self._sig, self._box, self._fun)
+
+
+class Compiled:
+    """The compiled planned step: called with the step's arguments; `memory_analysis()` and
+    `cost_analysis()` are the compiler's (per device when sharded)."""
+
+    def __init__(self, compiled: Any, sig: Signature, box: Box, fun: Callable):
+        self.compiled, self._sig, self._box, self._fun = compiled, sig, box, fun
+
+    def memory_analysis(self) -> Any:
+        return self.compiled.memory_analysis()
+
+    def cost_analysis(self) -> Any:
+        return self.compiled.cost_analysis()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        sig, dynamic = split_args(*bind(self._fun, args, kwargs))
+        if sig.key()[:2] != self._sig.key()[:2]:
+            raise ValueError("This compiled step was lowered for other arguments (structure or static "
+                             "values); lower and compile it for these.")
+        return eqx.combine(self.compiled(*dynamic), self._box.value)
+
+
+_DONATE = ("none", "all", "all-except-first")
+
+
+def filter_jit(fun: Callable | None = None, *, budget_mb: float | str, donate: str = "none",
+               policies: Any = None, calibrate: bool = True, scan_segments: int = 2,
+               nested: bool = True) -> Any:
+    """`eqx.filter_jit` for a whole training step, with remat planned so that it fits `budget_mb`.
+
+    **Arguments:**
+
+    - `fun`: the training step, e.g. `step(model, opt_state, x, y)` computing the loss, its
+      gradient (`eqx.filter_grad`, `jax.grad`, ...) and the optimizer update. Arrays in its
+      arguments are traced, everything else is static, as with `eqx.filter_jit`.
+    - `budget_mb`: the cap (MB = 2**20 bytes) on the compiled step's temp bytes
+      (`.lower(...).compile().memory_analysis().temp_size_in_bytes`, per device when the arguments
+      are sharded): everything the step allocates besides its arguments and outputs. `"auto"`:
+      the device's memory (`memory_stats()["bytes_limit"]`) less 5% reserve, the step's
+      arguments, its outputs (net of donated buffers) and its code.
+    - `donate`: as for `eqx.filter_jit`: `"none"`, `"all"` or `"all-except-first"`. Donating the
+      parameters and optimizer state lets their updates reuse the old buffers; without it, XLA may
+      lay temporaries out in the (not yet written) output buffers, and the temp bytes understate
+      what the step adds to memory.
+    - `policies`, `calibrate`, `scan_segments`, `nested`: as for `smartremat.smartremat`.
+
+    **Returns:**
+
+    A callable like `eqx.filter_jit(fun)`, with `.lower(*args)` and `.plan(*args)`. The Equinox
+    modules among the arguments (outermost ones, decorated ones included) are planned: every
+    candidate plan is compiled as the whole step and the cheapest whose temp bytes fit is kept.
+    """
+    auto = isinstance(budget_mb, str) and budget_mb == "auto"
+    name = "smartremat.filter_jit"
+    config = make_config(1.0 if auto else budget_mb, policies=policies, calibrate=calibrate,
+                         scan_segments=scan_segments, nested=nested, name=name)
+    if donate not in _DONATE:
+        raise ValueError(f"`{name}(donate=...)` should be one of {', '.join(map(repr, _DONATE))} (as for "
+                         f"`eqx.filter_jit`), not {donate!r}.")
+    options = StepOptions(auto, donate)
+    if fun is None:
+        return lambda f: PlannedStep(_check_fun(f, name), config, options)
+    return PlannedStep(_check_fun(fun, name), config, options)
+
+
+def _check_fun(fun: Any, name: str) -> Callable:
+    if not callable(fun):
+        raise TypeError(f"`{name}(fun=...)` should be your training step, a function, not "
+                        f"{type(fun).__name__} {fun!r:.60}; e.g. `{name}(step, budget_mb=512)`.")
+    return fun

@@ -1,0 +1,169 @@
+"""Plan a whole training step: join the models of its module calls, hold candidates against the
+compiled step, and say what went wrong in terms of the step (`smartremat.filter_jit`'s planner)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from . import _planner
+from ._memory import peak_of
+from ._plan import MB, Plan
+from ._solve import min_peak, solve
+from ._spec import shardings_hidden
+from ._step import Signature, StepFigures, record, step_figures
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """`filter_jit`'s own options: an automatic budget, and which arguments are donated."""
+
+    auto: bool = False
+    donate: str = "none"
+
+
+def joined_model(models: list[_planner.Model], labels: list[str]) -> _planner.Model:
+    """The models of several module calls as one, in call order; paths start with the label of
+    the argument each module came from (no prefix for a single call)."""
+    if len(models) == 1:
+        return models[0]
+    calls, profiles, stages, owner, menus, fixed = [], [], [], [], [], 0
+    for model, label in zip(models, labels):
+        offset = 1 + max((st.group for st in stages), default=-1)
+        run_offset = 1 + max((st.run for st in stages if st.run is not None), default=-1)
+        owner += [o + len(calls) for o in model.owner]
+        calls += [dataclasses.replace(c, path=(("attr", label),) + c.path) for c in model.calls]
+        stages += [dataclasses.replace(st, group=st.group + offset,
+                                       run=None if st.run is None else st.run + run_offset) for st in model.stages]
+        profiles += model.profiles
+        menus += model.menus
+        fixed += model.fixed_bytes
+    return _planner.Model(tuple(calls), tuple(profiles), tuple(stages), fixed, tuple(owner), tuple(menus))
+
+
+def split_assignment(model: _planner.Model, choice: tuple[int, ...], labels: list[str]) -> tuple:
+    """One assignment per module call (paths relative to that module)."""
+    assignment = _planner.assignment_of(model, choice)
+    if len(labels) == 1:
+        return (assignment,)
+    return tuple(tuple((path[1:], pol) for path, pol in assignment if path[0] == ("attr", label))
+                 for label in labels)
+
+
+def _device_limit(sig: Signature) -> int | None:
+    """`bytes_limit` of the device the step's first argument lives on (None if not reported)."""
+    sharding = next((a.sharding for a in sig.avals if getattr(a, "sharding", None) is not None), None)
+    device = min(sharding.device_set, key=lambda d: d.id) if sharding is not None else jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return (stats or {}).get("bytes_limit")
+
+
+#: Share of the device's memory left to the allocator's fragmentation under `budget_mb="auto"`.
+AUTO_RESERVE = 0.05
+
+
+def auto_budget(sig: Signature, base: StepFigures, name: str) -> int:
+    """The device's memory minus the step's arguments, outputs (not aliased), code and a reserve."""
+    limit = _device_limit(sig)
+    if not limit:
+        raise ValueError(
+            f"`{name}(budget_mb=\"auto\")` needs the device's memory limit, and the "
+            f"{jax.default_backend()} backend reports none (`device.memory_stats()` has no "
+            "\"bytes_limit\"). Give the budget as a number of megabytes instead, e.g. `budget_mb=4096`.")
+    budget = int(limit * (1 - AUTO_RESERVE)) - base.arguments - base.outputs + base.alias - base.code
+    if budget <= 0:
+        raise ValueError(
+            f"`{name}(budget_mb=\"auto\")`: the step's arguments and outputs alone take "
+            f"{(base.arguments + base.outputs - base.alias) / MB:.1f} MB of the device's {limit / MB:.1f} MB, "
+            "leaving nothing for activations. Shard or shrink the arguments (parameters, optimizer state, batch).")
+    return budget
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One planned signature: the plan, the assignment per module call, the classes to watch."""
+
+    plan: Plan
+    assignments: tuple
+    classes: frozenset
+    sig: Signature
+
+
+def plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], config: _planner.Config,
+              options: StepOptions) -> Entry:
+    """Record the module calls, build and join their models, verify candidates on the step."""
+    t0 = time.perf_counter()
+    calls = record(fun, sig, roots)
+    if not calls:
+        raise ValueError(_no_module_call(fun, roots, "smartremat.filter_jit"))
+    labels = [c.label for c in calls]
+    model = joined_model([_planner.build_model(c.call, c.spec, c.spec.rebuild(c.spec.dynamic)[0], config)
+                          for c in calls], labels)
+    classes = frozenset(type(m) for _, m in roots)
+    stages = model.stages
+
+    name = "smartremat.filter_jit"
+
+    def measure(choice):
+        f = step_figures(fun, sig, (classes, split_assignment(model, choice, labels)), options.donate)
+        return f.temp, f.flops
+
+    none = (0,) * len(stages)
+    base = step_figures(fun, sig, (classes, split_assignment(model, none, labels)), options.donate)
+    if options.auto:
+        budget = auto_budget(sig, base, name)
+        config = dataclasses.replace(config, budget_bytes=budget, budget_mb=budget / MB)
+    # the rest of the step (loss, update, optimizer state) calibrates the model at no remat
+    model = dataclasses.replace(model, fixed_bytes=max(base.temp - peak_of(stages, none), 0))
+    lowest = min_peak(stages)
+    sol = solve(stages, config.budget_bytes - model.fixed_bytes) or lowest
+    sol, compiled = _planner.verified(stages, config, measure, lambda floor: _too_low(fun, config, floor, name, options.auto),
+                                      sol, lowest)
+    plan = _planner.assemble(model, config, sol, lowest, compiled, time.perf_counter() - t0,
+                             _signature(fun, sig))
+    if any(shardings_hidden(c.spec) for c in calls) and any(_sharded(a) for a in sig.avals):
+        plan = dataclasses.replace(plan, notes=plan.notes + (HIDDEN_NOTE,))
+    return Entry(plan, split_assignment(model, sol.choice, labels), classes, sig)
+
+
+HIDDEN_NOTE = (
+    "the step's arguments are sharded over several devices, but inside `jit` JAX hides the shardings "
+    "of the module's values (a mesh with Auto axes): smartremat's predicted figures count one device "
+    "doing all the work, while the compiled figures, which chose this plan, are per device")
+
+
+def _sharded(aval: jax.ShapeDtypeStruct) -> bool:
+    sharding = getattr(aval, "sharding", None)
+    return sharding is not None and len(sharding.device_set) > 1
+
+
+def _signature(fun: Callable, sig: Signature) -> str:
+    text = repr((getattr(fun, "__qualname__", repr(fun)), str(sig.treedef),
+                 [(a.shape, str(a.dtype)) for a in sig.avals], jax.default_backend()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _too_low(fun: Callable, config: _planner.Config, floor: int, name: str, auto: bool) -> ValueError:
+    up = -(-floor * 100 // MB) / 100
+    asked = f'"auto"` ({config.budget_mb:.1f} MB of the device left for it)' if auto else f"{config.budget_mb:g})`"
+    return ValueError(
+        f"`{name}(budget_mb={asked} is below the lowest temp memory any remat plan reaches "
+        f"for the step `{getattr(fun, '__qualname__', fun)}` on these arguments: {floor / MB:.3f} MB (compiled "
+        f"temp bytes of the whole step, per device). Raise `budget_mb` to at least {up:.2f}, lower the "
+        "batch size, or shard the batch over more devices.")
+
+
+def _no_module_call(fun: Callable, roots: list[tuple[str, Any]], name: str) -> str:
+    found = ", ".join(f"{n} ({type(m).__name__})" for n, m in roots) or "none"
+    return (
+        f"`{name}` found no call of an Equinox module among the arguments of "
+        f"`{getattr(fun, '__qualname__', fun)}` (modules among its arguments: {found}). It plans the "
+        "modules the step calls (`model(x)`, possibly under `jax.vmap` or `eqx.filter_grad`): pass the "
+        "model as an argument of the step and call it there, or use `eqx.filter_jit` for a step "
+        "without one.")
