@@ -19,6 +19,18 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
+def is_traced(x: Any) -> bool:
+    """Whether a leaf is traced (an array, a `ShapeDtypeStruct` or a tracer) rather than static."""
+    return _is_array(x) or isinstance(x, jax.core.Tracer)
+
+
+def merge_leaves(treedef: Any, static: tuple[tuple[int, Any], ...], dynamic: Any) -> Any:
+    """The pytree of `treedef` from its static leaves `(index, value)` and the dynamic ones in order."""
+    stat, it = dict(static), iter(dynamic)
+    leaves = [stat[i] if i in stat else next(it) for i in range(treedef.num_leaves)]
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def _hashable(x: Any) -> Any:
     try:
         hash(x)
@@ -48,12 +60,7 @@ class CallSpec:
         return (self.treedef, dyn, stat, self.in_axes, self.axis_size, self.axis_name)
 
     def rebuild(self, dynamic: tuple) -> tuple:
-        leaves: list[Any] = [None] * (len(self.dynamic) + len(self.static))
-        stat = dict(self.static)
-        it = iter(dynamic)
-        for i in range(len(leaves)):
-            leaves[i] = stat[i] if i in stat else next(it)
-        return jax.tree.unflatten(self.treedef, leaves)
+        return merge_leaves(self.treedef, self.static, dynamic)
 
     def function(self, fn: Callable, wrap: Callable | None = None) -> Callable:
         """`f(*dynamic)` that calls `fn(module, *args, **kwargs)`, vmapped as recorded.
@@ -81,7 +88,7 @@ def make_spec(module: Any, args: tuple, kwargs: dict, *, top_level: bool = True)
     dynamic, static, in_axes = [], [], []
     size, trace = None, None
     for i, leaf in enumerate(leaves):
-        if not (_is_array(leaf) or isinstance(leaf, jax.core.Tracer)):
+        if not is_traced(leaf):
             static.append((i, leaf))
             continue
         batch = _jax_private.batch_axis(leaf)

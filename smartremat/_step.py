@@ -25,7 +25,7 @@ from ._apply import run
 from ._cache import KeyedCache, environment_key
 from ._decorator import config_of
 from ._profile import mesh_context
-from ._spec import CallSpec, abstract, make_spec
+from ._spec import CallSpec, abstract, is_traced, make_spec, merge_leaves
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,6 @@ class RootCall:
     label: str
     call: Callable
     spec: CallSpec
-
-
-def _is_dynamic(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, jax.core.Tracer))
 
 
 def _aval(x: Any) -> jax.ShapeDtypeStruct:
@@ -83,11 +79,7 @@ class Signature:
             (a.shape, str(a.dtype), getattr(a, "weak_type", False), _placement(a)) for a in self.avals))
 
     def rebuild(self, dynamic: tuple) -> tuple[tuple, dict]:
-        leaves: list[Any] = []
-        it, stat = iter(dynamic), dict(self.static)
-        for i in range(len(self.avals) + len(self.static)):
-            leaves.append(stat[i] if i in stat else next(it))
-        return jax.tree.unflatten(self.treedef, leaves)
+        return merge_leaves(self.treedef, self.static, dynamic)
 
 
 def bind(fun: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -109,9 +101,9 @@ def _placement(aval: jax.ShapeDtypeStruct) -> Any:
 
 def split_args(args: tuple, kwargs: dict) -> tuple[Signature, list]:
     leaves, treedef = jax.tree.flatten((tuple(args), dict(kwargs)))
-    static = tuple((i, x) for i, x in enumerate(leaves) if not _is_dynamic(x))
-    dynamic = [x for x in leaves if _is_dynamic(x)]
-    first = sum(_is_dynamic(x) for x in jax.tree.leaves(args[0])) if args else 0
+    static = tuple((i, x) for i, x in enumerate(leaves) if not is_traced(x))
+    dynamic = [x for x in leaves if is_traced(x)]
+    first = sum(is_traced(x) for x in jax.tree.leaves(args[0])) if args else 0
     return Signature(treedef, static, tuple(_aval(x) for x in dynamic), first), dynamic
 
 
