@@ -1,4 +1,4 @@
-"""Apply a plan: rewrite the module tree with checkpoint wrappers, then call it."""
+"""Apply a plan: run the forward with the planned sub-modules' calls checkpointed."""
 
 from __future__ import annotations
 
@@ -6,38 +6,26 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
+import jax
 
-from ._discover import Path, Wrapper, get_at, replace_at
-
-
-def call_module(module: Any, *args: Any, **kwargs: Any) -> Any:
-    """`module(*args, **kwargs)`: a named function, so checkpoints of it compare equal."""
-    return module(*args, **kwargs)
-
-
-class Checkpointed(Wrapper):
-    """A sub-module whose call runs under `eqx.filter_checkpoint(policy=...)`.
-
-    Only ever built inside the forward, so the user's model and its gradient pytree keep
-    their structure (design.md fact 10).
-    """
-
-    module: Any
-    policy: Any = eqx.field(static=True)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return eqx.filter_checkpoint(call_module, policy=self.policy)(self.module, *args, **kwargs)
+from . import _intercept
+from ._discover import Path
 
 
 Assignment = tuple[tuple[Path, Any], ...]
 
 
-def run(module: Any, call: Callable, assignment: Assignment, args: tuple, kwargs: dict) -> Any:
+def run(module: Any, call: Callable, assignment: Assignment, args: tuple, kwargs: dict,
+        tags: dict[Path, str] | None = None) -> Any:
     """Call `call(module, *args, **kwargs)` with each `(path, policy)` of `assignment` applied.
 
     A policy of `None` leaves that block alone; the empty path means the module's own call.
     A `Segments` policy (a scanned block with different policies on pieces of its scan)
     splits that scan; a nested option (`_nested.Nested`) stands for its sub-blocks' entries.
+    The module tree is never rewritten: the planned sub-modules' calls are routed through
+    `jax.checkpoint` as they happen (`_intercept.routing`), so the forward sees its own
+    sub-modules. `tags` names the calls of some paths (`jax.named_scope`) so that their
+    equations can be found in the traced program.
     """
     from ._scan import Segments, run_pieces
 
@@ -46,12 +34,25 @@ def run(module: Any, call: Callable, assignment: Assignment, args: tuple, kwargs
         return run_pieces(module, call, assignment, args, kwargs, run)
     assignment = _expand_nested(assignment)
     own = [pol for path, pol in assignment if path == ()]
-    paths = [p for p, pol in assignment if p != () and pol is not None]
-    pols = [pol for p, pol in assignment if p != () and pol is not None]
-    rewritten = replace_at(module, paths, [Checkpointed(get_at(module, p), pol) for p, pol in zip(paths, pols)])
+    tags = tags or {}
+    entries = {p: pol for p, pol in assignment if p != () and pol is not None}
+    entries.update({p: entries.get(p) for p in tags})
     if own and own[0] is not None:
-        return eqx.filter_checkpoint(call, policy=own[0])(rewritten, *args, **kwargs)
-    return call(rewritten, *args, **kwargs)
+        call = eqx.filter_checkpoint(call, policy=own[0])
+    if not entries:
+        return call(module, *args, **kwargs)
+    paths = list(entries)
+
+    def checkpointed(index: int, sub: Any, original: Callable, a: tuple, k: dict) -> Any:
+        policy, tag = entries[paths[index]], tags.get(paths[index])
+        fn = original if policy is None else eqx.filter_checkpoint(original, policy=policy)
+        if tag is None:
+            return fn(sub, *a, **k)
+        with jax.named_scope(tag):
+            return fn(sub, *a, **k)
+
+    with _intercept.routing(module, paths, checkpointed):
+        return call(module, *args, **kwargs)
 
 
 def _single(segments: Any) -> Any:

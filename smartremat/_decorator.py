@@ -9,8 +9,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from . import _apply, _intercept, _planner
+from . import _apply, _intercept, _jax_private, _planner
 from ._plan import MB, Plan
 from ._serialise import signature
 from ._policies import normalise_policies
@@ -18,15 +21,34 @@ from ._spec import make_spec
 from ._verify import DEFAULT_LOSSES, UserLoss, abstract_args
 
 
-def _check_budget(budget_mb: Any, name: str = "smartremat(budget_mb=...)") -> int:
-    ok = isinstance(budget_mb, numbers.Real) and not isinstance(budget_mb, bool)
-    if not ok or not math.isfinite(float(budget_mb)) or float(budget_mb) <= 0:
+def _real(value: Any) -> float | None:
+    """`value` as a float if it is a real number: a Python or NumPy scalar, or a 0-d integer or
+    floating array (NumPy or JAX); None for anything else, bools included."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape != () or dtype is None:
+        return None
+    try:
+        if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
+            return None
+        return float(value)
+    except Exception:  # a traced value (inside `jit`), or a dtype NumPy does not know: not a number here
+        return None
+
+
+def _budget_mb(budget_mb: Any, name: str = "smartremat(budget_mb=...)") -> float:
+    """The budget in MB as a float, checked: a positive, finite real number (not a bool)."""
+    value = _real(budget_mb)
+    if value is None or not math.isfinite(value) or value <= 0:
         raise ValueError(
             f"`{name}` should be a positive, finite number of megabytes (2**20 bytes), not "
             f"{budget_mb!r}. It caps the peak activation memory of one forward+backward through "
             "the module; e.g. `budget_mb=512`."
         )
-    return int(float(budget_mb) * MB)
+    return value
 
 
 def make_config(budget_mb: Any, *, policies: Sequence[Any] | None = None, blocks: Callable | None = None,
@@ -44,15 +66,33 @@ def make_config(budget_mb: Any, *, policies: Sequence[Any] | None = None, blocks
             f"`{name}(plan=...)` should be a `smartremat.Plan` (e.g. from `smartremat.load_plan(path)`), "
             f"not {type(plan).__name__}. Load a saved plan with `load_plan` first."
         )
-    if isinstance(scan_segments, bool) or not isinstance(scan_segments, int) or scan_segments < 1:
+    if isinstance(scan_segments, (bool, np.bool_)) or not isinstance(scan_segments, numbers.Integral) \
+            or scan_segments < 1:
         raise ValueError(
             f"`{name}(scan_segments=...)` should be a positive int (how many pieces, each with "
             f"its own policy, a scanned block's scan may be split into), not {scan_segments!r}; "
             "e.g. `scan_segments=1` keeps every scan whole."
         )
-    return _planner.Config(_check_budget(budget_mb, f"{name}(budget_mb=...)"), normalise_policies(policies),
-                           float(budget_mb), blocks, bool(calibrate), bool(verify), plan, scan_segments,
-                           bool(nested), _losses(loss, loss_args, name))
+    mb = _budget_mb(budget_mb, f"{name}(budget_mb=...)")
+    if plan is not None:
+        _check_plan_budget(plan, mb, name)
+    return _planner.Config(int(mb * MB), normalise_policies(policies, name), mb, blocks, bool(calibrate),
+                           bool(verify), plan, int(scan_segments), bool(nested), _losses(loss, loss_args, name))
+
+
+def _check_plan_budget(plan: Plan, budget_mb: float, name: str) -> None:
+    """A saved plan runs as saved: refuse a budget below what it takes (a higher one is fine)."""
+    peak, kind = ((plan.compiled_peak_bytes, "compiled temp bytes") if plan.compiled_peak_bytes is not None
+                  else (plan.predicted_peak_bytes, "predicted by smartremat's model"))
+    if budget_mb * MB + 1 >= peak:  # a byte of slack: `at least` below is rounded up to 0.01 MB
+        return
+    up = math.ceil(peak / MB * 100) / 100
+    raise ValueError(
+        f"`{name}(budget_mb={budget_mb:g}, plan=...)`: the saved plan runs as it was saved, and its peak "
+        f"is {peak / MB:.3f} MB ({kind}; it was made for budget_mb={plan.budget_bytes / MB:g}), above "
+        f"the budget. Raise `budget_mb` to at least {up:.2f} to run this plan, or plan again for "
+        f"{budget_mb:g} MB (leave `plan=None`) and save that plan."
+    )
 
 
 def _losses(loss: Callable | None, loss_args: Any, name: str) -> tuple:
@@ -86,17 +126,24 @@ def planned_call(module: Any, call: Callable, config: _planner.Config, args: tup
     """Plan (once per signature) and run `call(module, *args, **kwargs)` under the plan."""
     if _intercept.in_root_call():  # inside a module `smartremat.filter_jit` plans: its plan covers this one
         return call(module, *args, **kwargs)
+    if not _jax_private.differentiated(jax.tree.leaves((module, args, kwargs))):
+        return call(module, *args, **kwargs)  # no backward pass, nothing to keep for it: the plain forward
     spec = make_spec(module, args, kwargs)
     if config.plan is not None:
-        if config.plan.signature != signature(call, spec):
-            raise ValueError(
-                "`smartremat(plan=...)` was made for a different module or input signature (shapes, "
-                "dtypes, batch, backend) than this call. Plan again (leave `plan=None`), or load the "
-                "plan saved for these inputs."
-            )
-        return _apply.run(module, call, config.plan.assignment, args, kwargs)
+        return _apply.run(module, call, loaded_plan(config.plan, call, spec).assignment, args, kwargs)
     plan = _planner.get_plan(call, spec, module, config)
     return _apply.run(module, call, plan.assignment, args, kwargs)
+
+
+def loaded_plan(plan: Plan, call: Callable, spec: Any) -> Plan:
+    """The saved plan given as `smartremat(plan=...)`, checked against this call's signature."""
+    if plan.signature != signature(call, spec):
+        raise ValueError(
+            "`smartremat(plan=...)` was made for a different module or input signature (shapes, "
+            "dtypes, batch, backend) than this call. Plan again (leave `plan=None`), or load the "
+            "plan saved for these inputs."
+        )
+    return plan
 
 
 class SmartRemat(eqx.Module):
@@ -160,7 +207,9 @@ def smartremat(
       working set, excluding parameters, inputs, outputs and gradient buffers.
     - `policies`: the `jax.checkpoint` policies to choose from per block. Defaults to
       `dots_saveable`, `dots_with_no_batch_dims_saveable` and `nothing_saveable`; no remat is
-      always an option. Policies that save the same residuals for a block are merged.
+      always an option. Policies that save the same residuals for a block are merged. Your own
+      policies are shown in plans under their `__name__`, made unique (a second `<lambda>` is
+      `<lambda>#2`); one that raises is reported by name.
     - `blocks`: a function from the module to the sub-module(s) to plan over (as in
       `eqx.tree_at`). Defaults to the sub-modules its forward calls, found automatically.
     - `calibrate`: ask the compiler for each distinct block's own peak (one small compile per
@@ -168,7 +217,8 @@ def smartremat(
     - `verify`: compile the real step for the candidate plans and keep the cheapest whose
       compiled temp bytes fit; the compiler, not the model, then guarantees the fit.
     - `plan`: a saved `Plan` (`smartremat.load_plan(path)`) to apply instead of planning; it must
-      have been made for the same module and input signature.
+      have been made for the same module and input signature, and its peak must fit `budget_mb`
+      (it runs as saved, whatever the budget; `smartremat.explain` shows it).
     - `scan_segments`: a block that is the body of a `jax.lax.scan` (stacked layers) runs every
       iteration under one policy per scan, so smartremat may split that scan into up to this
       many consecutive scans, each with its own policy (more pieces: closer to the best
@@ -204,6 +254,7 @@ def smartremat(
                 )
             return _decorate_class(target, config)
         if isinstance(target, eqx.Module) and callable(target):
+            _refuse_planned(target)
             return SmartRemat(target, config)
         raise TypeError(
             f"`smartremat(...)` should be applied to an `eqx.Module` subclass or a callable "
@@ -212,6 +263,25 @@ def smartremat(
         )
 
     return decorate
+
+
+def _refuse_planned(target: Any) -> None:
+    """Wrapping a module that already plans its own calls would plan (and checkpoint) twice."""
+    if isinstance(target, SmartRemat):
+        raise TypeError(
+            f"`smartremat(...)` was applied to a `SmartRemat`, a module already wrapped by "
+            f"`smartremat(budget_mb={target.config.budget_mb:g})` (around a {type(target.module).__name__}); "
+            "wrapping it again would plan twice. Wrap the inner module once with the budget you want: "
+            "`smartremat(budget_mb=...)(wrapped.module)`."
+        )
+    found = getattr(type(target), "__smartremat__", None)
+    if found is not None:
+        raise TypeError(
+            f"`smartremat(...)` was applied to an instance of {type(target).__name__!r}, whose class is "
+            f"already decorated with `@smartremat(budget_mb={found[0].budget_mb:g})`, so it plans its own "
+            "calls; wrapping it would plan twice. Call the instance as it is (or pass "
+            "`budget_mb=` to `smartremat.explain`), or change the budget on the class decorator."
+        )
 
 
 def config_of(model: Any) -> tuple[_planner.Config, Callable, Any] | None:

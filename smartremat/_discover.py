@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
+from . import _intercept
 from ._cost import aval_bytes
 from ._spec import CallSpec, make_spec
 
@@ -102,7 +104,7 @@ def named_blocks(module: eqx.Module, blocks: Callable) -> list[tuple[Path, Any]]
         path = _find_path(module, item)
         if not callable(item) or not isinstance(item, eqx.Module) or path is None:
             raise ValueError(
-                f"`smartremat(blocks=...)` returned {type(item).__name__} {_short(item)}, which is "
+                f"`smartremat(blocks=...)` returned {_describe(item)}, which is "
                 "not a callable `eqx.Module` inside the decorated module. Return sub-modules "
                 "of the module it is given, e.g. `blocks=lambda m: m.layers`."
             )
@@ -113,6 +115,12 @@ def named_blocks(module: eqx.Module, blocks: Callable) -> list[tuple[Path, Any]]
             "sub-module, e.g. `blocks=lambda m: m.layers`, or leave `blocks=None` to find them."
         )
     return out
+
+
+def _describe(x: Any) -> str:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"an array ({x.dtype}{list(x.shape)})"
+    return f"{type(x).__name__} {_short(x)}"
 
 
 def _short(x: Any) -> str:
@@ -191,71 +199,49 @@ def _sites(jaxpr) -> dict[int, ScanSite | None | str]:
     return out
 
 
-class _Recorder:
-    def __init__(self) -> None:
-        self.calls: list[tuple[int, CallSpec | None]] = []
-
-
-class Wrapper(eqx.Module):
-    """Base of smartremat's wrappers around a sub-module (`module`): attribute reads the forward
-    makes on the sub-module (`self.fc.weight`) reach it through the wrapper."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name == "module":
-            raise AttributeError(name)
-        return getattr(self.module, name)
-
-
-class _Probe(Wrapper):
-    module: Any
-    index: int = eqx.field(static=True)
-    recorder: _Recorder = eqx.field(static=True)
-
-    def __call__(self, *args, **kwargs):
-        try:
-            spec = make_spec(self.module, args, kwargs)
-        except NotImplementedError:  # under nested vmaps inside the forward: not a candidate
-            spec = None
-        serial = len(self.recorder.calls)
-        self.recorder.calls.append((self.index, spec))
-        with jax.named_scope(f"{_PROBE_SCOPE}{serial}"):
-            return self.module(*args, **kwargs)
-
-
 def discover(
     module: eqx.Module, call: Callable, spec: CallSpec, blocks: Callable | None
 ) -> list[BlockCall]:
-    """Run the forward abstractly with probes on the candidates; return calls in order.
+    """Run the forward abstractly, watching the candidates' calls; return calls in order.
 
     A block that is the body of a top-level `jax.lax.scan` is one call with its `ScanSite`.
     If no candidate is called (e.g. a Module holding only arrays), the module's own call is
     the one block.
     """
     candidates = named_blocks(module, blocks) if blocks is not None else child_modules(module)
-    recorder = _Recorder()
+    recorded: list[tuple[int, CallSpec | None]] = []
     paths = [p for p, _ in candidates]
 
-    def probed(m, *args, **kwargs):  # probes wrap the traced sub-modules, not the originals
-        probes = [_Probe(get_at(m, p), i, recorder) for i, p in enumerate(paths)]
-        return call(replace_at(m, paths, probes), *args, **kwargs)
+    def record(index: int, sub: Any, own: Callable, args: tuple, kwargs: dict) -> Any:
+        try:
+            spec = make_spec(sub, args, kwargs)
+        except NotImplementedError:  # under nested vmaps inside the forward: not a candidate
+            spec = None
+        serial = len(recorded)
+        recorded.append((index, spec))
+        with jax.named_scope(f"{_PROBE_SCOPE}{serial}"):
+            return own(sub, *args, **kwargs)
+
+    def probed(m, *args, **kwargs):  # the traced copies of the sub-modules are watched, not replaced
+        with _intercept.routing(m, paths, record):
+            return call(m, *args, **kwargs)
 
     closed = jax.make_jaxpr(spec.function(probed))(*spec.dynamic)
     sites = _sites(closed.jaxpr)
     calls = []
-    for serial, (i, s) in enumerate(recorder.calls):
+    for serial, (i, s) in enumerate(recorded):
         site = sites.get(serial)
         if isinstance(site, str):
             raise NotImplementedError(_loop_error(candidates[i], site))
+        if s is not None and site is not None and spec.axis_size is not None and s.axis_size is None:
+            s = batched_body(s, spec)
         if s is not None:
             calls.append(BlockCall(candidates[i][0], type(candidates[i][1]).__name__, s, site))
     _check_scans(calls)
-    if spec.axis_size is not None and any(c.scan is not None for c in calls):
-        raise NotImplementedError(
-            "smartremat found a block run by `jax.lax.scan` while the module runs under `jax.vmap`: "
-            "JAX traces the scan body one example at a time, so smartremat cannot see how much of "
-            "it the batch multiplies. Call the module on the whole batch (vmap inside the layers), "
-            "or run it outside `jax.vmap`."
-        )
+    if blocks is not None:
+        _warn_uncalled(candidates, {i for i, _ in recorded})
+    if blocks is None:  # a parameter-free layer (dropout, an activation) is part of its neighbours' cost
+        calls = [c for c in calls if _holds_arrays(c.spec)] or calls
     if not calls:
         if blocks is not None:
             raise ValueError(
@@ -264,6 +250,77 @@ def discover(
             )
         return [BlockCall((), type(module).__name__, spec)]
     return calls
+
+
+def _warn_uncalled(candidates: list[tuple[Path, Any]], called: set[int]) -> None:
+    missed = [path_str(p) for i, (p, _) in enumerate(candidates) if i not in called]
+    if missed and len(missed) < len(candidates):
+        warnings.warn(
+            f"`smartremat(blocks=...)` named {', '.join(missed)}, which the module's forward never "
+            "calls on these inputs, so it is not planned. Name only the sub-modules its `__call__` "
+            "uses (or leave `blocks=None`).", stacklevel=4)
+
+
+def _holds_arrays(spec: CallSpec) -> bool:
+    """Whether the called module (the spec's first pytree) has array leaves of its own."""
+    n = jax.tree_util.treedef_children(spec.treedef)[0].num_leaves
+    return n > sum(1 for i, _ in spec.static if i < n)
+
+
+_MAX_DEPTH = 3
+
+
+def expand_stacks(calls: list[BlockCall], depth: int = 0) -> list[BlockCall]:
+    """Each block that runs a stack of layers (two or more sub-blocks of one class, e.g. BERT's
+    `encoder` with its `layers`) replaced by its own sub-blocks, in call order, so that every
+    layer of the stack is a block of its own; repeated to `_MAX_DEPTH` levels. A block whose
+    sub-blocks are scanned, or that smartremat cannot look into, stays whole."""
+    if depth >= _MAX_DEPTH:
+        return calls
+    out: list[BlockCall] = []
+    for c in calls:
+        inner = _stack_of(c)
+        if inner is None:
+            out.append(c)
+            continue
+        out += expand_stacks([dataclasses.replace(s, path=c.path + s.path) for s in inner], depth + 1)
+    return out
+
+
+def _stack_of(c: BlockCall) -> list[BlockCall] | None:
+    if c.path == () or c.scan is not None:
+        return None
+    module = c.spec.rebuild(c.spec.dynamic)[0]
+    try:
+        inner = discover(module, call_module, c.spec, None)
+    except (NotImplementedError, ValueError):
+        return None
+    if any(s.path == () or s.scan is not None for s in inner):
+        return None
+    types = [s.type_name for s in dict((s.path, s) for s in inner).values()]
+    return inner if len(types) > len(set(types)) else None
+
+
+def call_module(module: Any, *args: Any, **kwargs: Any) -> Any:
+    """`module(*args, **kwargs)`: a named function, so checkpoints of it compare equal."""
+    return module(*args, **kwargs)
+
+
+def batched_body(body: CallSpec, outer: CallSpec) -> CallSpec:
+    """The spec of a scanned block's call under the `jax.vmap` the module runs in.
+
+    JAX traces a scan body once per example, before batching it, so the body's call shows no
+    batch. The stacked layer's slice (the module) is the same for every example; what it is
+    called with (activations, per-example keys) carries the batch, as in the Equinox idiom of a
+    per-sequence model under `jax.vmap`.
+    """
+    n = jax.tree_util.treedef_children(body.treedef)[0].num_leaves
+    n_module = n - sum(1 for i, _ in body.static if i < n)
+    size = outer.axis_size
+    dynamic = tuple(d if k < n_module else jax.ShapeDtypeStruct((size, *d.shape), d.dtype)
+                    for k, d in enumerate(body.dynamic))
+    in_axes = tuple(None if k < n_module else 0 for k in range(len(body.dynamic)))
+    return dataclasses.replace(body, dynamic=dynamic, in_axes=in_axes, axis_size=size, axis_name=outer.axis_name)
 
 
 def _loop_error(candidate: tuple[Path, Any], where: str) -> str:

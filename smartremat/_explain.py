@@ -8,8 +8,8 @@ from typing import Any
 import equinox as eqx
 
 from . import _planner
-from ._decorator import _check_budget, config_of, make_config
-from ._plan import Plan
+from ._decorator import _budget_mb, config_of, loaded_plan, make_config
+from ._plan import MB, Plan
 from ._spec import make_spec, vmapped_spec
 from ._filter_jit import PlannedStep
 
@@ -27,7 +27,9 @@ def explain(
       arguments, and the plan is the one the step runs with).
     - `*args`, `**kwargs`: the inputs, as arrays or `jax.ShapeDtypeStruct`s (only their
       shapes and dtypes matter; nothing is computed).
-    - `budget_mb`: overrides the decorator's budget; required for a plain module.
+    - `budget_mb`: overrides the decorator's budget; required for a plain module. For a model
+      decorated with a saved plan (`smartremat(plan=...)`), the plan is explained as it runs,
+      unless `budget_mb` is given: then the plan smartremat would make for that budget.
     - `vmap`: explain the plan for `jax.vmap(model)(*args)` instead, where axis 0 of every
       array argument is the batch (the budget then counts the whole batch, as it does when
       the decorated module runs under `jax.vmap`). A string is the vmap's `axis_name`, as in
@@ -61,12 +63,13 @@ def explain(
         call, module = type(model).__call__, model
     else:
         config, call, module = found
-        if budget_mb is not None:
-            config = dataclasses.replace(
-                config, budget_bytes=_check_budget(budget_mb, "explain(budget_mb=...)"),
-                budget_mb=float(budget_mb))
+        if budget_mb is not None:  # what would be planned for this budget, a saved plan set aside
+            mb = _budget_mb(budget_mb, "explain(budget_mb=...)")
+            config = dataclasses.replace(config, budget_bytes=int(mb * MB), budget_mb=mb, plan=None)
     if vmap is False or vmap is None:
         spec = make_spec(module, args, kwargs)
     else:
         spec = vmapped_spec(module, args, kwargs, None if vmap is True else vmap)
+    if config.plan is not None:  # the model runs the saved plan it was given: that is what to explain
+        return loaded_plan(config.plan, call, spec)
     return _planner.get_plan(call, spec, module, config)

@@ -1,11 +1,13 @@
-"""See the calls of a training step's Equinox modules while JAX traces the step.
+"""See the calls of particular Equinox modules while JAX traces, without touching the modules.
 
-`smartremat.filter_jit` plans the modules among a step's arguments, but the step calls them
-itself, usually on copies rebuilt by `eqx.filter_grad` (new objects, same classes). So while the
-step is traced, the `__call__` of each such class is replaced by `_hook`, which hands the call of
-a module of that class to the tracing thread's `StepContext` (to record it, or to run it under
-its plan) and otherwise calls the original. Instances, their fields, `isinstance` and the
-gradient pytree are untouched; the classes get their own `__call__` back when the step is traced.
+smartremat must find, profile and checkpoint the sub-modules a forward calls, and the user's
+code must observe exactly what it observes without smartremat (`isinstance`, fields, methods).
+So nothing in the module tree is replaced: while a function is traced, the `__call__` of each
+class of interest is replaced by a hook, which hands a call to the tracing thread's innermost
+`BlockContext` (discovery records it, a plan runs it under its policy) when that context claims
+the instance, to its `StepContext` (`smartremat.filter_jit`: a step's root modules) when that
+one does, and otherwise calls the original. Instances, their fields, `isinstance` and the
+gradient pytree are untouched; the classes get their own `__call__` back when tracing ends.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 _local = threading.local()
 _lock = threading.RLock()
 _MISSING = object()
+_PASS = object()
 # class -> [its own `__call__` entry (or _MISSING), how many installs hold it]
 _installed: dict[type, list] = {}
 
@@ -52,11 +55,16 @@ def _original(cls: type) -> Callable:
 
 
 def _hook_for(cls: type) -> Callable:
-    """`cls`'s replacement `__call__`: a root call goes to the context, any other to `cls`'s own
-    (so `super().__call__` from a subclass reaches the base class's original)."""
+    """`cls`'s replacement `__call__`: a claimed call goes to its context, any other to `cls`'s
+    own (so `super().__call__` from a subclass reaches the base class's original)."""
 
     def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
         call = _original(cls)
+        stack = getattr(_local, "blocks", None)
+        if stack:
+            out = stack[-1].dispatch(self, call, args, kwargs)
+            if out is not _PASS:
+                return out
         ctx = getattr(_local, "context", None)
         if ctx is None or ctx.depth or type(self) not in ctx.roots:
             return call(self, *args, **kwargs)
@@ -106,3 +114,145 @@ def active(context: StepContext) -> Iterator[StepContext]:
         yield context
     finally:
         _local.context = previous
+
+
+def _leaf_shapes(tree: Any) -> tuple:
+    import jax
+
+    return tuple(getattr(x, "shape", None) for x in jax.tree.leaves(tree))
+
+
+class Target:
+    """A sub-module instance a `BlockContext` claims: the object itself, and what a copy of it
+    rebuilt inside a transformation looks like (same class and pytree structure; every leaf of
+    the same shape, or with the leading axis dropped, as `eqx.combine` of a slice inside a
+    `jax.lax.scan` body or a `jax.vmap` over stacked modules gives)."""
+
+    def __init__(self, obj: Any) -> None:
+        import jax
+
+        self.obj = obj  # kept alive, so its id is not reused while the context lives
+        self.type = type(obj)
+        self.treedef = jax.tree.structure(obj)
+        self.shapes = _leaf_shapes(obj)
+
+    def like(self, obj: Any, treedef: Any, shapes: tuple) -> bool:
+        if type(obj) is not self.type or treedef != self.treedef or len(shapes) != len(self.shapes):
+            return False
+        if all(s is None for s in shapes):  # nothing tells copies of a parameter-free module apart
+            return False
+        same = all(a == b for a, b in zip(shapes, self.shapes))
+        sliced = all(a is None and b is None or a is not None and b is not None and tuple(b[1:]) == tuple(a)
+                     for a, b in zip(shapes, self.shapes))
+        return same or sliced
+
+
+class BlockContext:
+    """Routes the calls of the sub-modules at `paths` of `tree` to `on_call(index, module, call,
+    args, kwargs)`. A call made inside a claimed call is not claimed (it belongs to that block).
+
+    A copy of a target is claimed too: one rebuilt from it (see `Target`), or one found at the
+    target's place below a rebuilt copy of one of its ancestors when that copy is called (as
+    `mixed_precision_cast(self.inner)(x)` rebuilds every layer of `inner`).
+    """
+
+    def __init__(self, tree: Any, paths: list, on_call: Callable[..., Any]) -> None:
+        from ._discover import get_at
+
+        self.targets = [Target(get_at(tree, p)) for p in paths]
+        self.by_id = {id(t.obj): i for i, t in enumerate(self.targets)}
+        self.aliases: list[Any] = []  # copies claimed by place, kept alive with their ids
+        self.others = _modules_in(tree)  # sub-modules of the tree that are not targets: never claimed
+        below: dict = {}
+        for i, p in enumerate(paths):
+            for k in range(1, len(p)):
+                below.setdefault(tuple(p[:k]), []).append((i, tuple(p[k:])))
+        self.anchors = [(Target(get_at(tree, a)), under) for a, under in below.items()
+                        if isinstance(get_at(tree, a), _module_type())]
+        self.types = frozenset([t.type for t in self.targets] + [a.type for a, _ in self.anchors])
+        self.on_call = on_call
+        self.depth = 0
+
+    def claim(self, obj: Any) -> int | None:
+        """The index of the target `obj` is, or is a rebuilt copy of (`None` if none, or if
+        several targets look alike and `obj` is none of them itself)."""
+        if id(obj) in self.by_id:
+            return self.by_id[id(obj)]
+        if type(obj) not in self.types or id(obj) in self.others:
+            return None
+        import jax
+
+        treedef, shapes = jax.tree.structure(obj), _leaf_shapes(obj)
+        found = [i for i, t in enumerate(self.targets) if t.like(obj, treedef, shapes)]
+        if len(found) == 1:
+            return found[0]
+        self._adopt(obj, treedef, shapes)
+        return None
+
+    def _adopt(self, obj: Any, treedef: Any, shapes: tuple) -> None:
+        """`obj` is a copy of one ancestor of targets: its sub-modules at their places are theirs."""
+        from ._discover import get_at
+
+        alike = [under for a, under in self.anchors if a.like(obj, treedef, shapes)]
+        if len(alike) != 1:
+            return
+        for index, rel in alike[0]:
+            try:
+                copy = get_at(obj, rel)
+            except (AttributeError, IndexError, KeyError, TypeError):
+                continue
+            self.aliases.append(copy)
+            self.by_id[id(copy)] = index
+
+    def dispatch(self, obj: Any, call: Callable, args: tuple, kwargs: dict) -> Any:
+        if self.depth:
+            return _PASS
+        index = self.claim(obj)
+        if index is None:
+            return _PASS
+        self.depth += 1
+        try:
+            return self.on_call(index, obj, call, args, kwargs)
+        finally:
+            self.depth -= 1
+
+
+def _module_type() -> type:
+    import equinox as eqx
+
+    return eqx.Module
+
+
+def _modules_in(tree: Any) -> dict[int, Any]:
+    """`{id: module}` of every `eqx.Module` in `tree` (the objects are kept, so ids stay theirs)."""
+    import equinox as eqx
+    import jax
+
+    found: dict[int, Any] = {}
+    todo = [tree]
+    while todo:
+        x = todo.pop()
+        if id(x) in found:
+            continue
+        if isinstance(x, eqx.Module):
+            found[id(x)] = x
+        if isinstance(x, eqx.Module) or isinstance(x, (list, tuple, dict)):
+            todo.extend(jax.tree.leaves(x, is_leaf=lambda y: y is not x and isinstance(y, eqx.Module)))
+    return found
+
+
+@contextlib.contextmanager
+def routing(tree: Any, paths: list, on_call: Callable[..., Any]) -> Iterator[BlockContext]:
+    """While the block runs, calls on this thread of the sub-modules of `tree` at `paths` (or of
+    copies of them, see `BlockContext`) go to `on_call(index, module, call, args, kwargs)`, where
+    `call` is the class's own `__call__` (call it, not `module(...)`, to run the module itself)."""
+    ctx = BlockContext(tree, paths, on_call)
+    stack = getattr(_local, "blocks", None)
+    if stack is None:
+        stack = _local.blocks = []
+    with installed(ctx.types):
+        stack.append(ctx)
+        try:
+            yield ctx
+        finally:
+            stack.pop()

@@ -1,15 +1,20 @@
 """The one place smartremat touches private JAX API, each use with a public fallback.
 
-Only one thing needs it: under `jax.vmap(model)(x)` the module sees per-example tracers,
-but the memory budget counts the whole batch, so the planner must learn the batch size and
-axis of each argument. Public JAX has no way to ask a tracer for that; if the private
-attributes are missing, `batch_axes` reports "not batched" and the decorator warns.
+Public JAX has no way to ask a tracer what transformation it belongs to, and smartremat needs
+to know: under `jax.vmap(model)(x)` the module sees per-example tracers but the budget counts
+the whole batch (batch size and axis of each argument, the vmap's axis name); a call that is
+not differentiated runs the plain forward (`differentiated`); `smartremat.filter_jit` tells
+which step argument a module came from (`differentiated_from`). Binding a jaxpr equation again
+(`bind_equation`) is the scan splitter's. If the private attributes are missing, each says "not
+batched" / "differentiated" / "itself", so smartremat plans as it would without them.
 """
 
 from __future__ import annotations
 
 import contextlib
 from typing import Any
+
+from jax import core as jax_core
 
 try:  # private: jax._src.interpreters.{batching,ad}
     from jax._src.interpreters import ad as _ad
@@ -41,6 +46,24 @@ def differentiated_from(leaf: Any) -> Any:
     while _PRIMAL_TRACERS and isinstance(leaf, _PRIMAL_TRACERS):
         leaf = getattr(leaf, "primal", None)
     return leaf
+
+
+def differentiated(leaves: list) -> bool:
+    """Whether any leaf is seen inside `jax.grad`/`jax.vjp`/`jax.jvp` (through any `jax.vmap`s).
+    A function traced first and differentiated afterwards (`jax.grad(jax.jit(f))`, a `scan`
+    body) shows no sign of it. Public fallback: `True` for anything traced."""
+    for leaf in leaves:
+        x = leaf
+        while True:
+            if _PRIMAL_TRACERS and isinstance(x, _PRIMAL_TRACERS):
+                return True
+            if _BatchTracer and isinstance(x, _BatchTracer):
+                x = x.val
+                continue
+            break
+        if not AVAILABLE and isinstance(leaf, jax_core.Tracer):
+            return True
+    return False
 
 
 def batch_axis(leaf: Any) -> tuple[int, int, Any] | None:

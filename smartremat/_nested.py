@@ -3,7 +3,7 @@
 A transformer layer's coarse choices (all of it, or nothing) can all be too costly at a budget
 where checkpointing only its attention, or only its MLP, fits. smartremat therefore offers, for
 each block that calls sub-blocks of its own, every combination of menu policies on its (at most
-`MAX_CHILDREN`, by forward FLOPs) sub-blocks as further options of that block. They are profiled
+`MAX_CHILDREN`, by the bytes they keep for the backward without remat) sub-blocks as further options of that block. They are profiled
 exactly like policies (the block's call with the sub-blocks wrapped), so the solver, the model
 and the compiler treat them alike.
 """
@@ -14,11 +14,10 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 
-from ._apply import call_module, run
-from ._cost import jaxpr_cost
-from ._discover import BlockCall, Path, discover, path_str
+from ._apply import run
+from ._profile import _residuals, n_module_leaves
+from ._discover import BlockCall, Path, call_module, discover, path_str
 from ._policies import policy_name
 from ._render import short_name
 
@@ -42,7 +41,8 @@ class Nested:
 
 
 def nested_options(call: BlockCall, menu: tuple) -> tuple[Nested, ...]:
-    """Every combination of `menu` policies on the block's costliest sub-blocks (not all none)."""
+    """Every combination of `menu` policies on the block's sub-blocks that keep the most for the
+    backward (not all none)."""
     module = call.spec.rebuild(call.spec.dynamic)[0]
     try:
         inner = discover(module, call_module, call.spec, None)
@@ -51,11 +51,11 @@ def nested_options(call: BlockCall, menu: tuple) -> tuple[Nested, ...]:
     children = [c for c in inner if c.path != () and c.scan is None]
     if not children:
         return ()
-    flops: dict[Path, float] = {}
+    kept: dict[Path, int] = {}
     for c in children:
-        cost = jaxpr_cost(jax.make_jaxpr(c.spec.function(call_module))(*c.spec.dynamic)).flops
-        flops[c.path] = flops.get(c.path, 0) + cost
-    top = sorted(flops, key=lambda p: -flops[p])[:MAX_CHILDREN]
-    top = [p for p in top if flops[p] > 0]
+        internal, args, _ = _residuals(c.spec.function(call_module), c.spec, n_module_leaves(c.spec))
+        kept[c.path] = kept.get(c.path, 0) + internal + args
+    top = sorted(kept, key=lambda p: -kept[p])[:MAX_CHILDREN]
+    top = [p for p in top if kept[p] > 0]
     combos = itertools.product(menu, repeat=len(top))
     return tuple(Nested(tuple(zip(top, combo))) for combo in combos if any(p is not None for p in combo))

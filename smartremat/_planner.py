@@ -14,12 +14,13 @@ from typing import Any
 
 import jax
 
-from ._apply import call_module, run
-from ._cache import KeyedCache, environment_key
-from ._discover import BlockCall, discover, path_str
+from ._apply import run
+from ._discover import call_module
+from ._cache import KeyedCache, barrier_hint, environment_key
+from ._discover import BlockCall, discover, expand_stacks, path_str
 from ._memory import Stage, cost_of, peak_of
 from ._plan import MB, Plan, PlanBlock, PolicyFigures
-from ._policies import policy_name
+from ._policies import no_policy_error, policy_name
 from ._profile import BlockProfile, n_module_leaves, profile_block, _residuals
 from ._nested import Nested, nested_options
 from ._scan import Segments
@@ -74,18 +75,42 @@ def get_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Pla
 
 
 def _option_of(profile: BlockProfile, policy: Any):
+    found = _find_option(profile, policy)
+    if found is None:
+        raise KeyError(policy_name(policy))
+    return found
+
+
+def _find_option(profile: BlockProfile, policy: Any):
+    """The profiled option that `policy` is (or was merged into); `None` if it failed for the block."""
     name = policy_name(policy)
-    return next(o for o in profile.options if o.name == name or name in o.merged)
+    return next((o for o in profile.options if o.name == name or name in o.merged), None)
+
+
+def _available(calls: tuple[BlockCall, ...], profiles: tuple, menus: tuple) -> tuple[tuple, ...]:
+    """Each call's menu less the options that failed for its block (in any of its calls, which
+    are tied by option index)."""
+    failed: dict = {}
+    for c, prof, menu in zip(calls, profiles, menus):
+        failed.setdefault(c.path, set()).update(i for i, pol in enumerate(menu) if _find_option(prof, pol) is None)
+    return tuple(tuple(pol for i, pol in enumerate(menu) if i not in failed[c.path]) for c, menu in zip(calls, menus))
+
+
+def uniform(model: "Model", policy: Any) -> tuple[int, ...]:
+    """The choice giving every block `policy` (no remat where it failed for a block)."""
+    return tuple(next((i for i, p in enumerate(model.menus[ci]) if p is policy), 0) for ci in model.owner)
 
 
 def build_model(call: Callable, spec: CallSpec, module: Any, config: Config) -> Model:
     """Discover the block calls and profile each distinct one under every option."""
-    calls = tuple(discover(module, call, spec, config.blocks))
+    found = discover(module, call, spec, config.blocks)
+    calls = tuple(expand_stacks(found) if config.blocks is None else found)
     menus = _menus(calls, config)
     profiles = tuple(
         profile_block(c.spec, call if c.path == () else call_module, menu, config.calibrate)
         for c, menu in zip(calls, menus)
     )
+    menus = _available(calls, profiles, menus)
     groups = {p: i for i, p in enumerate(dict.fromkeys(c.path for c in calls))}
     stages, owner = [], []
     for ci, (c, prof) in enumerate(zip(calls, profiles)):
@@ -134,10 +159,11 @@ def _fixed_bytes(call, spec, calls, profiles, config) -> int:
         return 0
     full = jax.checkpoint_policies.nothing_saveable
     full = full if full in config.policies else config.policies[-1]  # any menu policy will do
-    assignment = tuple((c.path, full) for c in dict((c.path, c) for c in calls).values())
+    usable = {c.path: full if _find_option(p, full) is not None else None for c, p in zip(calls, profiles)}
+    assignment = tuple(usable.items())
     f = spec.function(lambda m, *a, **k: run(m, call, assignment, a, k))
     internal, _, _ = _residuals(f, spec, n_module_leaves(spec))
-    block_inputs = sum(_option_of(p, full).residual_bytes * (c.scan.length if c.scan else 1)
+    block_inputs = sum(_option_of(p, usable[c.path]).residual_bytes * (c.scan.length if c.scan else 1)
                        for c, p in zip(calls, profiles))
     return max(internal - block_inputs, 0)
 
@@ -196,7 +222,7 @@ def make_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Pl
         def error(floor):
             return infeasible(config, spec, floor, "compiled temp bytes of the training step")
 
-        sol, compiled = verified(model.stages, config, measure, error, sol or lowest, lowest)
+        sol, compiled = verified(model, config, measure, error, sol or lowest, lowest)
     plan = assemble(model, config, sol, lowest, compiled, time.perf_counter() - t0, signature(call, spec))
     if cpu_barrier_missing():
         warnings.warn("smartremat: " + CPU_NOTE + ".", stacklevel=2)
@@ -222,7 +248,7 @@ _MAX_FRONTIER_STAGES = 64
 _MAX_CANDIDATES = 16
 
 
-def verified(stages: tuple[Stage, ...], config: Config, measure: Callable, error: Callable,
+def verified(model: Model, config: Config, measure: Callable, error: Callable,
              sol: Solution, lowest: Solution) -> tuple[Solution, tuple[int, float]]:
     """The candidate with the fewest *compiled* FLOPs whose compiled temp bytes fit the budget.
 
@@ -232,9 +258,10 @@ def verified(stages: tuple[Stage, ...], config: Config, measure: Callable, error
     does not depend on the budget, so each is compiled once per signature (cached), and as the
     budget falls the chosen plan's compiled temp bytes never rise.
     """
+    stages = model.stages
     front = frontier(stages) if len(stages) <= _MAX_FRONTIER_STAGES else [lowest, sol]
     cands = list(dict.fromkeys([s.choice for s in _spread(front, _MAX_CANDIDATES)]
-                               + [(o,) * len(stages) for o in range(len(config.policies))]))
+                               + [uniform(model, p) for p in config.policies]))
 
     with ThreadPoolExecutor(max(1, min(len(cands), os.cpu_count() or 1))) as pool:
         figures = dict(zip(cands, pool.map(measure, cands)))
@@ -257,13 +284,16 @@ def _spread(front: list[Solution], n: int) -> list[Solution]:
 
 
 def infeasible(config: Config, spec: CallSpec, floor: int, kind: str) -> ValueError:
+    empty = no_policy_error(config.policies, config.budget_mb, floor)
+    if empty is not None:
+        return empty
     shapes = ", ".join(f"{d.dtype}{list(d.shape)}" for d in spec.dynamic[n_module_leaves(spec):])
     up = math.ceil(floor / MB * 100) / 100
     return ValueError(
         f"`smartremat(budget_mb={config.budget_mb:g})` is below the lowest peak any remat plan "
         f"reaches for this module on inputs ({shapes}): {floor / MB:.3f} MB ({kind}). Raise "
         f"`budget_mb` to at least {up:.2f}, lower the batch size, or name finer blocks with "
-        "`blocks=` so that smaller pieces can be recomputed." + _unseen_sharding(spec)
+        "`blocks=` so that smaller pieces can be recomputed." + _unseen_sharding(spec) + barrier_hint()
     )
 
 
@@ -310,9 +340,9 @@ def _menu_names(config: Config) -> set[str]:
     return {policy_name(p) for p in config.policies}
 
 
-def _uniform_peak(stages, policies, policy) -> int:
-    idx = next((i for i, p in enumerate(policies) if p is policy), len(policies) - 1)
-    return peak_of(stages, (idx,) * len(stages))
+def _uniform_peak(model: Model, policies: tuple, policy: Any) -> int:
+    chosen = policy if any(p is policy for p in policies) else policies[-1]
+    return peak_of(model.stages, uniform(model, chosen))
 
 
 def assemble(model: Model, config: Config, sol: Solution, lowest: Solution, compiled, seconds,
@@ -322,7 +352,7 @@ def assemble(model: Model, config: Config, sol: Solution, lowest: Solution, comp
         budget_bytes=config.budget_bytes,
         predicted_peak_bytes=sol.peak + fixed,
         no_remat_peak_bytes=peak_of(stages, (0,) * len(stages)) + fixed,
-        full_remat_peak_bytes=_uniform_peak(stages, config.policies, jax.checkpoint_policies.nothing_saveable) + fixed,
+        full_remat_peak_bytes=_uniform_peak(model, config.policies, jax.checkpoint_policies.nothing_saveable) + fixed,
         min_peak_bytes=lowest.peak + fixed,
         recompute_flops=sol.cost,
         forward_flops=sum(p.forward.flops * (c.scan.length if c.scan else 1)
@@ -354,6 +384,13 @@ def cpu_barrier_missing() -> bool:
 
 def _notes(model: Model, sol: Solution) -> list[str]:
     notes = [CPU_NOTE] if cpu_barrier_missing() else []
+    shown = set()
+    for c, prof in zip(model.calls, model.profiles):
+        for option, why in prof.skipped:
+            if (c.path, option) not in shown:
+                shown.add((c.path, option))
+                notes.append(f"{path_str(c.path)} ({c.type_name}): {option} left out for this block, "
+                             f"which failed under it ({why})")
     kept, worst, at = 0, -1, 0
     for i, (st, c) in enumerate(zip(model.stages, sol.choice)):
         if kept + st.peak[c] > worst:

@@ -54,6 +54,7 @@ class BlockProfile:
     forward: Cost
     options: tuple[PolicyProfile, ...]
     calibrated: bool
+    skipped: tuple[tuple[str, str], ...] = ()  # (option, why) of options that failed for this block
 
 
 def _is_float(d: jax.ShapeDtypeStruct) -> bool:
@@ -185,15 +186,24 @@ def profile_block(spec: CallSpec, call: Callable, menu: tuple, calibrate: bool) 
 def _profile_uncached(spec: CallSpec, call: Callable, menu: tuple, calibrate: bool) -> BlockProfile:
     n_module = n_module_leaves(spec)
     f_none = spec.function(call)
-    base = jaxpr_cost(jax.make_jaxpr(grad_step(f_none, spec))(*spec.dynamic))
-    raw, seen = [], {}
+    try:
+        base = jaxpr_cost(jax.make_jaxpr(grad_step(f_none, spec))(*spec.dynamic))
+    except Exception as e:  # e.g. a `lax.while_loop` on floats: left alone, as it runs in the user's step
+        return _left_alone(f_none, spec, f"it cannot be reverse-differentiated on its own ({_reason(e)})")
+    raw, seen, skipped = [], {}, []
     for policy in menu:  # a nested option is itself the call (its sub-blocks wrapped)
         f = spec.function(policy) if hasattr(policy, "smartremat_name") else spec.function(call, _wrap(policy))
-        internal, args, sig = _residuals(f, spec, n_module)
-        if sig in seen and policy is not None:  # same residuals as an earlier policy: merge
-            seen[sig][3].append(policy_name(policy))
+        try:
+            internal, args, sig = _residuals(f, spec, n_module)
+            if sig in seen and policy is not None:  # same residuals as an earlier policy: merge
+                seen[sig][3].append(policy_name(policy))
+                continue
+            total = jaxpr_cost(jax.make_jaxpr(grad_step(f, spec))(*spec.dynamic))
+        except Exception as e:
+            if policy is None or type(e).__name__ == "PolicyError":  # the user's policy is wrong: say so
+                raise
+            skipped.append((policy_name(policy), _reason(e)))
             continue
-        total = jaxpr_cost(jax.make_jaxpr(grad_step(f, spec))(*spec.dynamic))
         entry = [policy, internal, args, [], total - base, sig, f]
         seen.setdefault(sig, entry)
         raw.append(entry)
@@ -207,7 +217,20 @@ def _profile_uncached(spec: CallSpec, call: Callable, menu: tuple, calibrate: bo
             policy_name(policy), policy, int(saved), int(max(peak, saved)), int(internal + args),
             Cost(max(recompute.flops, 0), max(recompute.bytes, 0)), sig, tuple(merged)))
     forward = jaxpr_cost(jax.make_jaxpr(f_none)(*spec.dynamic))
-    return BlockProfile(forward, tuple(options), peaks is not None)
+    return BlockProfile(forward, tuple(options), peaks is not None, tuple(skipped))
+
+
+def _reason(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:160] if text else ''}"
+
+
+def _left_alone(f_none: Callable, spec: CallSpec, why: str) -> BlockProfile:
+    """A block smartremat cannot profile: its only option is no remat, counted as keeping nothing
+    (the compiled step, not the model, then tells what it takes)."""
+    forward = jaxpr_cost(jax.make_jaxpr(f_none)(*spec.dynamic))
+    none = PolicyProfile(policy_name(None), None, 0, 0, 0, Cost(0.0, 0.0), (), ())
+    return BlockProfile(forward, (none,), False, (("every policy", why),))
 
 
 def _transient(none_entry: list) -> int:

@@ -2,8 +2,8 @@
 
 One `jax.lax.scan` stacks the same residuals for every iteration, so a scan whose iterations
 should use different policies must become several scans, one per piece. The user's forward
-is traced once per policy (the block wrapped in its checkpoint, inside the scan body as the
-Equinox idiom `eqx.combine(params, static)` rebuilds it), and then evaluated equation by
+is traced once per policy (the block's calls checkpointed and tagged with a `jax.named_scope`,
+inside the scan body as the Equinox idiom `eqx.combine(params, static)` rebuilds it), and then evaluated equation by
 equation, the marked scan replaced by one `jax.lax.scan` per piece, each with the body
 traced under that piece's policy. Everything else binds exactly as traced.
 """
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from . import _jax_private
-from ._discover import Path, Wrapper, get_at, replace_at, subjaxprs
+from ._discover import subjaxprs
 from ._spec import abstract
 
 
@@ -37,17 +37,6 @@ class Segments:
 
 
 _TAG = "smartremat_scan_"
-
-
-class _Marked(Wrapper):
-    """The scanned block, its equations tagged so the scan that runs it can be found."""
-
-    module: Any
-    tag: int = eqx.field(static=True)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with jax.named_scope(f"{_TAG}{self.tag}"):
-            return self.module(*args, **kwargs)
 
 
 def run_pieces(module: Any, call: Callable, assignment: tuple, args: tuple, kwargs: dict,
@@ -69,9 +58,8 @@ def run_pieces(module: Any, call: Callable, assignment: tuple, args: tuple, kwar
             for i, x in zip(dyn_at, dyn):
                 full[i] = x
             m, a, k = jax.tree.unflatten(treedef, full)
-            paths: list[Path] = [path for _, path, _ in segs]
-            m = replace_at(m, paths, [_Marked(get_at(m, p), t) for t, p in enumerate(paths)])
-            return plain_run(m, call, tuple(chosen), a, k)
+            tags = {path: f"{_TAG}{t}" for t, (_, path, _) in enumerate(segs)}
+            return plain_run(m, call, tuple(chosen), a, k, tags)
 
         return f
 

@@ -15,6 +15,7 @@ from ._policies import DEFAULT_POLICIES, policy_name
 from ._nested import Nested
 from ._scan import Segments
 from ._spec import CallSpec
+from ._discover import path_str
 
 _BY_NAME = {policy_name(p): p for p in DEFAULT_POLICIES}
 
@@ -45,16 +46,43 @@ def load_plan(source: str | os.PathLike | dict) -> Plan:
 
     The plan, with its per-block figures and assignment; its frontier is not saved.
     """
+    where = "the dict given" if isinstance(source, dict) else repr(os.fspath(source))
     if isinstance(source, dict):
         data = source
     else:
-        with open(source) as f:
-            data = json.load(f)
-    if "assignment" not in data or "signature" not in data:
-        raise ValueError(
+        try:
+            with open(source) as f:
+                data = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PlanFileError(
+                f"`load_plan({where})`: the file is not JSON ({e}); it may be truncated or not a plan "
+                "at all. Save the plan again with `plan.save(path)` (or plan again: leave `plan=None`)."
+            ) from None
+    if not isinstance(data, dict) or "assignment" not in data or "signature" not in data:
+        keys = sorted(data)[:8] if isinstance(data, dict) else type(data).__name__
+        raise PlanFileError(
             f"`load_plan(source=...)` needs the JSON that `Plan.save` writes (with 'assignment' and "
-            f"'signature'); got keys {sorted(data)[:8]}. Save the plan with `plan.save(path)`."
+            f"'signature'); {where} holds {keys}. Save the plan with `plan.save(path)`."
         )
+    try:
+        plan = _plan_of(data)
+    except PlanFileError as e:
+        raise PlanFileError(f"`load_plan({where})`: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        what = f"the field {e.args[0]!r} is missing" if isinstance(e, KeyError) else f"a field is malformed ({e})"
+        raise PlanFileError(
+            f"`load_plan({where})`: {what}, so this is not a whole plan as `Plan.save` writes it. "
+            "Save the plan again with `plan.save(path)`, or plan again (leave `plan=None`)."
+        ) from None
+    _check_rows(plan, where)
+    return plan
+
+
+class PlanFileError(ValueError):
+    """A saved plan that `load_plan` cannot read back."""
+
+
+def _plan_of(data: dict) -> Plan:
     return Plan(
         budget_bytes=round(data["budget_mb"] * MB), predicted_peak_bytes=round(data["predicted_peak_mb"] * MB),
         no_remat_peak_bytes=round(data["no_remat_peak_mb"] * MB),
@@ -65,20 +93,81 @@ def load_plan(source: str | os.PathLike | dict) -> Plan:
         compiled_flops=data["compiled_flops"], fixed_bytes=round(data["fixed_mb"] * MB),
         planning_seconds=data["planning_s"], backend=data["backend"], notes=tuple(data["notes"]),
         assignment=tuple((tuple(tuple(step) for step in path), _policy_of_json(pol)) for path, pol in data["assignment"]),
-        signature=data["signature"],
+        signature=str(data["signature"]),
     )
 
 
 def _block(b: dict) -> PlanBlock:
     options = tuple(PolicyFigures(name, round(o["saved_mb"] * MB), round(o["peak_mb"] * MB), o["recompute_flops"],
                                   tuple(o["merged"])) for name, o in b["policies"].items())
-    return PlanBlock(b["path"], b["type"], b["calls"], b["policy"], options)
+    return PlanBlock(str(b["path"]), str(b["type"]), int(b["calls"]), str(b["policy"]), options)
+
+
+def _rows_of(assignment: tuple) -> dict[str, str]:
+    """`{row label: policy name}` that the assignment (what runs) implies, labelled as the
+    planner labels its rows: one per block, one per piece of a split scan."""
+    rows: dict[str, str] = {}
+    for path, pol in assignment:
+        if isinstance(pol, Segments):
+            rows.update({f"{path_str(path)}[{a}:{b}]": policy_name(q) for a, b, q in pol.pieces})
+        else:
+            rows[path_str(path)] = policy_name(pol)
+    return rows
+
+
+def _check_rows(plan: Plan, where: str) -> None:
+    """Refuse a file whose printed rows (`blocks`) disagree with its `assignment` (what runs),
+    e.g. a `policy` edited by hand in one place only: what is shown must be what runs."""
+    rows = _rows_of(plan.assignment)
+    claimed: set[str] = set()
+    for b in plan.blocks:
+        if not any(o.name == b.policy or b.policy in o.merged for o in b.options):
+            raise PlanFileError(
+                f"`load_plan({where})`: block {b.path!r} names the policy {b.policy!r}, which is not "
+                f"among its options {[o.name for o in b.options]}. Edit it back to one of them, or plan "
+                "again (leave `plan=None`) and save that plan."
+            )
+        runs, labels = rows.get(b.path), {b.path}
+        if runs is None:  # a nested option: the block's sub-blocks are in the assignment
+            children = _children(plan.assignment, b.path)
+            runs, labels = (policy_name(Nested(tuple(children.values()))), set(children)) if children else (None, set())
+        if runs is None:
+            raise PlanFileError(
+                f"`load_plan({where})`: block {b.path!r} (policy {b.policy!r}) has no entry in the "
+                "plan's 'assignment', which is what runs. Re-plan, or edit both 'blocks' and 'assignment'."
+            )
+        if runs != b.policy:
+            raise PlanFileError(
+                f"`load_plan({where})`: block {b.path!r} is shown with the policy {b.policy!r} in "
+                f"'blocks' but runs {runs!r} by the 'assignment'; a plan must show what runs. Re-plan "
+                "(leave `plan=None`) and save that plan, or edit both 'blocks' and 'assignment'."
+            )
+        claimed |= labels
+    unshown = [label for label in rows if label not in claimed]
+    if unshown:
+        raise PlanFileError(
+            f"`load_plan({where})`: the 'assignment' (what runs) sets {unshown[0]!r} to "
+            f"{rows[unshown[0]]!r}, which no row of 'blocks' shows. Re-plan (leave `plan=None`), "
+            "or edit both 'blocks' and 'assignment'."
+        )
+
+
+def _children(assignment: tuple, label: str) -> dict[str, tuple]:
+    """`{row label: (path below the block, policy)}` of the entries below the block whose path
+    reads `label` (the sub-blocks a nested option checkpoints)."""
+    out = {}
+    for path, pol in assignment:
+        for k in range(len(path)):
+            if path_str(path[:k]) == label and not isinstance(pol, Segments):
+                out[path_str(path)] = (path[k:], pol)
+                break
+    return out
 
 
 def _policy(name: str) -> Any:
-    if name not in _BY_NAME:
-        raise ValueError(
-            f"`load_plan` found the policy {name!r}, which it cannot rebuild from its name (only "
+    if not isinstance(name, str) or name not in _BY_NAME:
+        raise PlanFileError(
+            f"the plan names the policy {name!r}, which `load_plan` cannot rebuild from its name (only "
             f"{sorted(_BY_NAME)} can be). Plan again with `smartremat(policies=[...])` instead of loading."
         )
     return _BY_NAME[name]

@@ -123,7 +123,7 @@ def plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], confi
     model = dataclasses.replace(model, fixed_bytes=max(base.temp - peak_of(stages, none), 0))
     lowest = min_peak(stages)
     sol = solve(stages, config.budget_bytes - model.fixed_bytes) or lowest
-    sol, compiled = _planner.verified(stages, config, measure, lambda floor: _too_low(fun, config, floor, name, options.auto),
+    sol, compiled = _planner.verified(model, config, measure, lambda floor: _too_low(fun, config, floor, name, options.auto),
                                       sol, lowest)
     plan = _planner.assemble(model, config, sol, lowest, compiled, time.perf_counter() - t0,
                              _signature(fun, sig))

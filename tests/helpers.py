@@ -26,3 +26,12 @@ def tree_allclose(a: Any, b: Any, rtol: float = 1e-6, atol: float = 0.0) -> bool
 # and benchmarks hold plans against the same reference (`benchmarks/common.py`).
 from benchmarks.common import figures as step_figures  # noqa: E402,F401
 from benchmarks.common import strategy as uniform  # noqa: E402,F401
+
+
+def backward(model: Any, *args: Any) -> Any:
+    """The gradient of a real loss (mean squared output) w.r.t. the model: a call smartremat plans
+    (a forward-only call runs the plain forward)."""
+    import equinox as eqx
+    import jax.numpy as jnp
+
+    return eqx.filter_grad(lambda m: jnp.mean(jnp.square(m(*args))))(model)

@@ -6,6 +6,7 @@ import pytest
 import smartremat
 from smartremat import smartremat as sr
 
+from helpers import tree_allclose
 from models import TutorialBlock
 
 
@@ -100,3 +101,41 @@ def test_attribute_reads_on_sub_modules_reach_them_through_probes_and_wrappers()
     plan = smartremat.explain(model, jnp.ones((8, 16)), budget_mb=1)
     assert [b.type for b in plan.blocks] == ["ReadsWeights"] * 3
     assert all(o.saved_bytes >= 0 for b in plan.blocks for o in b.options)
+
+
+class ResBlock(eqx.Module):
+    """The Equinox docs' U-Net idiom: the forward asks each sub-module what it is."""
+
+    layers: list
+    scale: float = 0.5
+
+    def __init__(self, key):
+        k = jax.random.split(key, 2)
+        self.layers = [eqx.nn.Linear(8, 8, key=k[0]), eqx.nn.Dropout(0.1), eqx.nn.Linear(8, 8, key=k[1])]
+
+    def __call__(self, x, *, key):
+        h = x
+        for layer in self.layers:
+            assert type(layer).__module__.startswith("equinox"), type(layer)
+            h = layer(h, key=key) if isinstance(layer, eqx.nn.Dropout) else layer(h)
+            h = jnp.tanh(h) * self.layers[0].weight.shape[0] / 8  # reads a sub-module's field
+        return x + h
+
+
+@pytest.mark.parametrize("lowest", [True, False])
+def test_user_code_sees_its_own_sub_modules(lowest):
+    """Discovery, profiling and the planned run never replace a sub-module by another object."""
+    m = ResBlock(jax.random.key(0))
+    x, key = jnp.linspace(-1, 1, 8), jax.random.key(1)
+    plan = smartremat.explain(sr(budget_mb=1.0, verify=False, calibrate=False)(m), x, key=key)
+    budget_mb = plan.min_peak_bytes / 2**20 if lowest else 1.0
+    wrapped = sr(budget_mb=budget_mb, verify=False, calibrate=False)(m)
+    if lowest:
+        assert any(b.policy != "none" for b in smartremat.explain(wrapped, x, key=key).blocks)
+    assert jnp.allclose(jax.jit(lambda x: wrapped(x, key=key))(x), m(x, key=key), rtol=1e-6)
+
+    def loss(w, x):
+        return jnp.mean((w(x, key=key) - 0.3) ** 2)
+
+    grad = eqx.filter_jit(eqx.filter_grad(loss))(wrapped, x)
+    assert tree_allclose(grad.module, eqx.filter_grad(loss)(m, x))

@@ -1,12 +1,18 @@
 import math
+import os
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import smartremat
 from smartremat import smartremat as sr
 
+from helpers import backward
 from models import MLPStack, TutorialBlock
 
 
@@ -36,14 +42,23 @@ def test_blocks_not_callable_argument():
 def test_blocks_naming_nothing_callable():
     model = MLPStack(2, 16, 32, jax.random.key(0))
     wrapped = sr(budget_mb=1, blocks=lambda m: m.layers[0].block.w1)(model)
-    with pytest.raises(ValueError, match=r"`smartremat\(blocks=\.\.\.\)` returned ArrayImpl .* not a callable `eqx.Module`"):
-        wrapped(jnp.ones((2, 16)))
+    with pytest.raises(ValueError, match=r"`smartremat\(blocks=\.\.\.\)` returned an array \(float32\[16, 32\]\), which is not a callable `eqx.Module`"):
+        backward(wrapped, jnp.ones((2, 16)))
 
 
 def test_blocks_returning_nothing():
     model = MLPStack(2, 16, 32, jax.random.key(0))
     with pytest.raises(ValueError, match=r"returned no sub-modules"):
-        sr(budget_mb=1, blocks=lambda m: [])(model)(jnp.ones((2, 16)))
+        backward(sr(budget_mb=1, blocks=lambda m: [])(model), jnp.ones((2, 16)))
+
+
+def test_blocks_naming_an_uncalled_sub_module_warns():
+    from test_discover import Branchy
+
+    wrapped = sr(budget_mb=1, verify=False, calibrate=False, blocks=lambda m: [m.last, m.unused])(Branchy(jax.random.key(0)))
+    with pytest.warns(UserWarning, match=r"`smartremat\(blocks=\.\.\.\)` named unused, which the module's forward never calls"):
+        plan = smartremat.explain(wrapped, jnp.ones(8))
+    assert [b.path for b in plan.blocks] == ["last"]
 
 
 def test_bad_policies():
@@ -58,7 +73,7 @@ def test_infeasible_budget_states_minimum(verify):
     model = MLPStack(3, 64, 512, jax.random.key(0))
     x = jnp.ones((32, 64))
     with pytest.raises(ValueError, match=r"`smartremat\(budget_mb=0\.001\)` is below the lowest peak .*: \d+\.\d+ MB .*Raise `budget_mb` to at least") as e:
-        sr(budget_mb=0.001, verify=verify)(model)(x)
+        backward(sr(budget_mb=0.001, verify=verify)(model), x)
     floor = float(__import__("re").search(r"at least (\d+\.\d+)", str(e.value)).group(1))
     plan = smartremat.explain(sr(budget_mb=floor, verify=verify)(model), x)  # the minimum is reachable
     assert plan.predicted_peak_bytes <= plan.budget_bytes or plan.compiled_peak_bytes <= plan.budget_bytes
@@ -71,3 +86,90 @@ def test_explain_plain_module_needs_budget():
         smartremat.explain(TutorialBlock(8, 8, jax.random.key(0)), jnp.ones((2, 8)))
     with pytest.raises(TypeError, match=r"`explain\(model=\.\.\.\)` should be an `eqx.Module`, not function"):
         smartremat.explain(lambda x: x, jnp.ones(2), budget_mb=1)
+
+
+def test_budget_accepts_0d_arrays_and_refuses_bools_and_vectors():
+    model = TutorialBlock(8, 16, jax.random.key(0))
+    for good in (np.array(2.0), jnp.float32(2.0), jnp.array(2, jnp.int32)):
+        assert sr(budget_mb=good)(model).config.budget_bytes == 2 * smartremat.MB
+        assert smartremat.filter_jit(lambda m, x: m(x), budget_mb=good).config.budget_mb == 2.0
+    for bad in (np.bool_(True), jnp.array(True), np.array([2.0]), jnp.float32(jnp.inf), jnp.float32(-1.0)):
+        with pytest.raises(ValueError, match=r"`smartremat\(budget_mb=\.\.\.\)` should be a positive, finite number .*not "
+                           + re.escape(repr(bad))):
+            sr(budget_mb=bad)
+        with pytest.raises(ValueError, match=r"`smartremat.filter_jit\(budget_mb=\.\.\.\)` should be a positive"):
+            smartremat.filter_jit(lambda m, x: m(x), budget_mb=bad)
+
+
+def test_scan_segments_accepts_numpy_integers():
+    config = sr(budget_mb=1, scan_segments=np.int64(3))(TutorialBlock(8, 16, jax.random.key(0))).config
+    assert config.scan_segments == 3 and type(config.scan_segments) is int
+    assert smartremat.filter_jit(lambda m, x: m(x), budget_mb=1, scan_segments=np.int32(2)).config.scan_segments == 2
+    for bad in (np.bool_(True), True, 2.0, np.int64(0)):
+        with pytest.raises(ValueError, match=r"`smartremat\(scan_segments=\.\.\.\)` should be a positive int .*not "
+                           + re.escape(repr(bad))):
+            sr(budget_mb=1, scan_segments=bad)
+
+
+def test_empty_policy_menu_is_blamed_not_the_budget():
+    model = MLPStack(2, 16, 64, jax.random.key(0))
+    x = jnp.ones((8, 16))
+    with pytest.raises(ValueError, match=r"`smartremat\(policies=\.\.\.\)` offers no checkpoint policy: .*`policies=\[\]`"
+                       r".*no remat, whose peak, \d+\.\d+ MB, is above `budget_mb=0\.001`.*"
+                       r"`policies=\[jax\.checkpoint_policies\.nothing_saveable\]`") as e:
+        backward(sr(budget_mb=0.001, policies=[], verify=False, calibrate=False)(model), x)
+    assert "below the lowest peak" not in str(e.value)
+    plan = smartremat.explain(sr(budget_mb=100, policies=[], verify=False, calibrate=False)(model), x)
+    assert set(plan.policies.values()) == {"none"}  # an empty menu under a generous budget is fine
+
+
+def test_policy_that_raises_is_named_with_what_to_do():
+    model = MLPStack(2, 16, 64, jax.random.key(0))
+    x = jnp.ones((8, 16))
+
+    def broken(prim, *avals, **params):
+        return 1 / 0
+
+    with pytest.raises(ValueError, match=r"`smartremat\(policies=\.\.\.\)` holds the policy 'broken' \(<function .*broken.*\), "
+                       r"which raised ZeroDivisionError: division by zero when JAX called it as `policy\(\w+, .*"
+                       r"Fix the policy, or remove it from `policies=`") as e:
+        backward(sr(budget_mb=1, policies=[broken], verify=False, calibrate=False)(model), x)
+    assert isinstance(e.value.__cause__, ZeroDivisionError)
+    with pytest.raises(ValueError, match=r"holds the policy '<lambda>' .*which raised TypeError"):
+        backward(sr(budget_mb=1, policies=[lambda prim: True], verify=False, calibrate=False)(model), x)
+
+
+def test_wrapping_a_planned_module_again_is_refused():
+    model = MLPStack(2, 16, 64, jax.random.key(0))
+    wrapped = sr(budget_mb=1)(model)
+    with pytest.raises(TypeError, match=r"applied to a `SmartRemat`, a module already wrapped by "
+                       r"`smartremat\(budget_mb=1\)` \(around a MLPStack\).*`smartremat\(budget_mb=\.\.\.\)\(wrapped\.module\)`"):
+        sr(budget_mb=2)(wrapped)
+
+    @sr(budget_mb=1)
+    class Planned(MLPStack):
+        pass
+
+    with pytest.raises(TypeError, match=r"applied to an instance of 'Planned', whose class is already decorated with "
+                       r"`@smartremat\(budget_mb=1\)`.*would plan twice"):
+        sr(budget_mb=2)(Planned(2, 16, 64, jax.random.key(0)))
+
+
+_NO_FLAG = """
+import jax, jax.numpy as jnp
+from smartremat import smartremat as sr
+from models import MLPStack
+from helpers import backward
+try:
+    backward(sr(budget_mb=0.001, verify=False, calibrate=False)(MLPStack(2, 16, 64, jax.random.key(0))), jnp.ones((8, 16)))
+except ValueError as e:
+    print(e)
+"""
+
+
+def test_infeasible_budget_without_the_cpu_flag_names_the_flag():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__))]))
+    out = subprocess.run([sys.executable, "-c", _NO_FLAG], env=env, capture_output=True, text=True, timeout=120)
+    assert re.search(r"below the lowest peak .*XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander.* is not set in this process",
+                     out.stdout, re.S), out.stdout + out.stderr

@@ -13,6 +13,7 @@ from smartremat import MB
 from smartremat import smartremat as sr
 from smartremat._memory import cost_of, peak_of
 
+from helpers import backward
 from models import MLPStack, Transformer
 
 
@@ -95,10 +96,10 @@ def test_smartremat_log_prints_each_new_plan(monkeypatch, capsys):
     monkeypatch.setenv("SMARTREMAT_LOG", "1")
     model = MLPStack(2, 16, 32, jax.random.key(1))
     wrapped = sr(budget_mb=7.5, verify=False)(model)
-    wrapped(jnp.ones((3, 16)))
+    backward(wrapped, jnp.ones((3, 16)))
     out = capsys.readouterr().out
     assert "smartremat planned MLPStack" in out and "budget 7.50 MB" in out
-    wrapped(jnp.ones((3, 16)))  # cached: no new plan, nothing printed
+    backward(wrapped, jnp.ones((3, 16)))  # cached: no new plan, nothing printed
     assert "smartremat planned" not in capsys.readouterr().out
 
 
@@ -107,7 +108,7 @@ def test_logging_at_info_shows_the_plan(caplog):
 
     caplog.set_level(logging.INFO, logger="smartremat")
     model = MLPStack(2, 16, 32, jax.random.key(2))
-    sr(budget_mb=6.5, verify=False)(model)(jnp.ones((3, 16)))
+    backward(sr(budget_mb=6.5, verify=False)(model), jnp.ones((3, 16)))
     assert any("smartremat planned MLPStack" in r.getMessage() and "budget 6.50 MB" in r.getMessage()
                for r in caplog.records)
 
@@ -122,3 +123,25 @@ def test_worked_example_in_docs_holds():
     assert peak_of(stages, (1, 0, 0)) == 31 and peak_of(stages, (0, 0, 1)) == 40
     assert solve(stages, 32).choice == (1, 0, 0)
     assert solve(stages, 22).choice == (1, 1, 0) and solve(stages, 22).peak == 22
+
+
+def test_two_lambdas_are_two_options_and_run_as_planned():
+    calls = []
+    saves_dots = lambda prim, *avals, **params: prim is jax.lax.dot_general_p  # noqa: E731
+    saves_nothing = lambda prim, *avals, **params: calls.append(prim) or False  # noqa: E731
+    model = MLPStack(2, 16, 256, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (32, 16))
+    options = dict(policies=[saves_dots, saves_nothing], verify=False, calibrate=False, nested=False)
+    roomy = smartremat.explain(sr(budget_mb=100, **options)(model), x)
+    for block in roomy.blocks:
+        by_name = {o.name: o for o in block.options}
+        assert {"<lambda>", "<lambda>#2"} <= set(by_name) and len(block.options) == 3
+        assert by_name["<lambda>#2"].saved_bytes < by_name["<lambda>"].saved_bytes < by_name["none"].saved_bytes
+    assert "MB <lambda>#2" in str(roomy)
+    tight = sr(budget_mb=(roomy.min_peak_bytes + 1) / MB, **options)(model)
+    plan = smartremat.explain(tight, x)
+    assert "<lambda>#2" in plan.policies.values() and plan.predicted_peak_bytes == roomy.min_peak_bytes
+    loss = lambda m: jnp.mean((m(x) - 1.0) ** 2)  # noqa: E731
+    got = jax.jit(jax.grad(loss))(tight).module
+    want = jax.grad(loss)(model)
+    assert calls and all(jnp.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))

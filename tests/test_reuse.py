@@ -2,6 +2,7 @@
 
 import io
 import threading
+import time
 
 import equinox as eqx
 import jax
@@ -10,10 +11,10 @@ import optax
 import pytest
 
 import smartremat
-from smartremat import _planner, _profile, _verify
+from smartremat import _cache, _planner, _profile, _verify
 from smartremat import smartremat as sr
 
-from helpers import tree_allclose
+from helpers import backward, tree_allclose
 from models import MLPStack
 
 
@@ -64,7 +65,7 @@ def test_saved_plan_loads_and_skips_planning(tmp_path, monkeypatch):
     got = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(m(x))))(reused).module
     assert tree_allclose(got, want, rtol=1e-6)
     with pytest.raises(ValueError, match=r"`smartremat\(plan=\.\.\.\)` was made for a different module or input signature"):
-        reused(jnp.ones((8, 64)))
+        backward(reused, jnp.ones((8, 64)))
     with pytest.raises(TypeError, match=r"`smartremat\(plan=\.\.\.\)` should be a `smartremat.Plan`.*not str"):
         sr(budget_mb=0.5, plan=str(tmp_path / "plan.json"))
     with pytest.raises(ValueError, match=r"needs the JSON that `Plan.save` writes"):
@@ -90,3 +91,38 @@ def test_two_threads_plan_once_and_agree():
     for t in threads:
         t.join()
     assert not errors and plans[0] == plans[1] and plans[0] is plans[1]
+
+
+def test_keyed_cache_makes_a_key_once_across_threads_and_retries_after_an_error():
+    cache, made, entered, gate = _cache.KeyedCache(), [], threading.Semaphore(0), threading.Event()
+
+    def make():
+        made.append(1)
+        entered.release()
+        gate.wait(30)
+        return object()
+
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(cache.get("k", make))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    entered.acquire(timeout=30)
+    time.sleep(0.2)  # time enough for the other threads to reach the cache (not an assertion)
+    gate.set()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and len(got) == 4 and all(v is got[0] for v in got)
+
+    other = threading.Event()  # different keys are made in parallel: "a" waits for "b" to start
+    ta = threading.Thread(target=lambda: cache.get("a", lambda: other.wait(30)))
+    ta.start()
+    assert cache.get("b", lambda: other.set() or "b") == "b"
+    ta.join()
+    assert cache.get("a", lambda: pytest.fail("made again")) is True
+
+    def fails():
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        cache.get("e", fails)
+    assert cache.get("e", lambda: "second try") == "second try"

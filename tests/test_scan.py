@@ -165,7 +165,22 @@ def name_stacks(jaxpr):
             yield from name_stacks(sub)
 
 
-def test_scanned_block_under_an_outer_vmap_is_refused():
-    model = ScannedTransformer(2, 16, 2, jax.random.key(0))
-    with pytest.raises(NotImplementedError, match=r"block run by `jax.lax.scan` while the module runs under `jax.vmap`"):
-        smartremat.explain(model, jnp.ones((3, 2, 8, 16)), budget_mb=1, vmap=True)
+def test_scanned_block_under_an_outer_vmap_is_planned_with_the_batch():
+    """The nanoGPT idiom: a per-sequence model with scanned layers, trained under `jax.vmap`."""
+    model, x = ScannedTransformer(3, 16, 2, jax.random.key(0)), jnp.ones((4, 1, 8, 16))
+    quick = dict(budget_mb=1e3, verify=False, calibrate=False, nested=False)
+    whole = smartremat.explain(smartremat.smartremat(**quick)(model), x[:, 0])  # the same batch, no vmap
+    per_seq = smartremat.explain(smartremat.smartremat(**quick)(model), x, vmap=True)
+    (row,) = per_seq.blocks
+    assert row.calls == 3 and len(per_seq.stages) == 3
+    assert [(o.name, o.saved_bytes) for o in row.options] == [(o.name, o.saved_bytes) for o in whole.blocks[0].options]
+    budget = (per_seq.no_remat_peak_bytes + per_seq.min_peak_bytes) / 2 / 2**20
+    wrapped = smartremat.smartremat(budget_mb=budget, nested=False)(model)
+
+    def loss(m, x):
+        return jnp.mean((jax.vmap(m)(x) - 0.25) ** 2)
+
+    got = eqx.filter_jit(eqx.filter_grad(loss))(wrapped, x)
+    assert tree_allclose(got.module, eqx.filter_grad(loss)(model, x))
+    plan = smartremat.explain(wrapped, x, vmap=True)
+    assert plan.compiled_peak_bytes <= plan.budget_bytes and any(b.policy != "none" for b in plan.blocks)
