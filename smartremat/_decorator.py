@@ -238,7 +238,10 @@ def smartremat(
     **Returns:**
 
     A decorator. On an `eqx.Module` subclass it returns that class, whose instances (same
-    fields, same pytree) plan on their first call per input signature. On a module instance it returns
+    fields, same pytree) plan on their first differentiated call per input signature (inside
+    `jax.grad`, `eqx.filter_grad`, `jax.vjp`; a forward-only call runs the plain forward, and a
+    function traced before it is differentiated, as in `jax.grad(jax.jit(f))`, shows no sign of
+    it: plan such steps with `smartremat.filter_jit`). On a module instance it returns
     a `SmartRemat` wrapper, called like the module, holding the same arrays.
     """
     config = make_config(budget_mb, policies=policies, blocks=blocks, calibrate=calibrate, verify=verify,

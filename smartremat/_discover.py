@@ -271,8 +271,8 @@ _MAX_DEPTH = 3
 
 
 def expand_stacks(calls: list[BlockCall], depth: int = 0) -> list[BlockCall]:
-    """Each block that runs a stack of layers (two or more sub-blocks of one class, e.g. BERT's
-    `encoder` with its `layers`) replaced by its own sub-blocks, in call order, so that every
+    """Each block that runs a stack of layers (two or more sub-blocks of one class that have
+    sub-modules of their own, e.g. BERT's `encoder` with its `layers`) replaced by its own sub-blocks, in call order, so that every
     layer of the stack is a block of its own; repeated to `_MAX_DEPTH` levels. A block whose
     sub-blocks are scanned, or that smartremat cannot look into, stays whole."""
     if depth >= _MAX_DEPTH:
@@ -297,8 +297,19 @@ def _stack_of(c: BlockCall) -> list[BlockCall] | None:
         return None
     if any(s.path == () or s.scan is not None for s in inner):
         return None
-    types = [s.type_name for s in dict((s.path, s) for s in inner).values()]
-    return inner if len(types) > len(set(types)) else None
+    distinct = list(dict((s.path, s) for s in inner).values())
+    types = [s.type_name for s in distinct]
+    repeated = [s for s in distinct if types.count(s.type_name) > 1]
+    return inner if any(_composite(s) for s in repeated) else None
+
+
+def _composite(c: BlockCall) -> bool:
+    """Whether the block's module holds sub-modules with arrays of their own (a transformer layer,
+    a residual block), as opposed to a single layer (a `Linear` of an MLP), which is better
+    checkpointed with its neighbours than alone."""
+    module = c.spec.rebuild(c.spec.dynamic)[0]
+    return any(jax.tree.leaves(sub, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+               for _, sub in child_modules(module)) if isinstance(module, eqx.Module) else False
 
 
 def call_module(module: Any, *args: Any, **kwargs: Any) -> Any:
