@@ -1,14 +1,25 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+OLDEST := .venv-oldest
+# The tests that reach JAX internals (_jax_private.py, _cost.py, tracing hooks), run again on the
+# lowest versions pyproject.toml declares (requirements/oldest.txt).
+OLDEST_TESTS := tests/test_api.py tests/test_profile.py tests/test_discover.py tests/test_robust.py tests/test_step_api.py
 
-.PHONY: demo test clean
+.PHONY: demo test test-oldest clean
 
-$(BIN)/activate: pyproject.toml
+# The dev environment: exact versions (requirements/dev.txt), the library's own bounds are lower bounds.
+$(BIN)/activate: pyproject.toml requirements/dev.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test,bench,docs]'
+	$(BIN)/pip install -q -c requirements/dev.txt -e '.[test,bench,docs]'
 	touch $(BIN)/activate
+
+$(OLDEST)/bin/activate: pyproject.toml requirements/oldest.txt
+	$(PY) -m venv $(OLDEST)
+	$(OLDEST)/bin/pip install -q --upgrade pip
+	$(OLDEST)/bin/pip install -q -c requirements/oldest.txt -e '.[test]'
+	touch $(OLDEST)/bin/activate
 
 # The main job: plan, explain and train two models on the CPU under a budget, then the quick
 # benchmark (smartremat against every fixed strategy; results/ holds its JSON, tables and plots).
@@ -16,11 +27,15 @@ demo: $(BIN)/activate
 	XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander $(BIN)/python examples/demo.py
 	$(BIN)/python benchmarks/run.py --quick --out results
 
-# The whole test suite (tests/conftest.py sets the CPU barrier flag before JAX starts), then a
-# strict build of the docs (broken links or API pages fail it).
-test: $(BIN)/activate
+# The whole test suite on the dev environment (tests/conftest.py sets the CPU barrier flag before
+# JAX starts), a strict build of the docs (broken links or API pages fail it), then the tests that
+# reach JAX internals on the oldest versions the package declares.
+test: $(BIN)/activate test-oldest
 	$(BIN)/python -m pytest -q tests
 	$(BIN)/mkdocs build --strict --quiet -d .site
 
+test-oldest: $(OLDEST)/bin/activate
+	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(OLDEST_TESTS)
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(OLDEST)

@@ -1,6 +1,6 @@
 """Shared benchmark pieces: the CPU flag, hand-written fixed strategies, the compiler's figures.
 
-Import this module before JAX: it sets the CPU barrier flag (design.md fact 1) when no NVIDIA
+Import this module before JAX: it sets the CPU barrier flag (docs/facts.md, fact 1) when no NVIDIA
 GPU is present. On a GPU it must not be set: XLA:GPU then fails to compile remat
 ("Unsupported instruction opcode: opt-barrier", seen on an H200 with jax 0.11.2).
 """

@@ -46,7 +46,7 @@ def models():
         "tutorial_stack": (TutorialStack(4, 512, 8192, key), jnp.ones((64, 512)), lambda m: m.layers),
         "transformer": (Stack([GPTBlock(256, 4, k) for k in jax.random.split(key, 4)]),
                         jnp.ones((8, 256, 256)), lambda m: m.blocks),
-        # design.md's GPU reference model: 4 layers, B=8, T=512, D=1024, 16 heads
+        # the GPU reference model of docs/facts.md: 4 layers, B=8, T=512, D=1024, 16 heads
         "transformer_large": (Stack([GPTBlock(1024, 16, k) for k in jax.random.split(key, 4)]),
                               jnp.ones((8, 512, 1024)), lambda m: m.blocks),
     }

@@ -12,7 +12,7 @@ squared error against targets, or next-token cross-entropy), and smartremat veri
 exactly that loss (`loss=`), so "fits" is read off the very step that is timed. A fixed strategy
 "fits" a budget when its compiled temp bytes are <= it.
 On the CPU the script sets XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander itself,
-before JAX starts (design.md fact 1), and says so.
+before JAX starts (docs/facts.md, fact 1), and says so.
 """
 
 from __future__ import annotations
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
     print(f"jax {env['jax']} on {env['device']} ({env['machine']}); XLA_FLAGS={env['xla_flags']!r}"
-          + (" (set by this script: on the CPU remat needs it, design.md fact 1)" if env["backend"] == "cpu" else ""))
+          + (" (set by this script: on the CPU remat needs it, docs/facts.md, fact 1)" if env["backend"] == "cpu" else ""))
     tutorial = None
     if {"tutorial", "tutorial_block"} & set(args.models) and size != "tiny":
         tutorial = tutorial_printout(args.repeat)

@@ -3,7 +3,7 @@
     python benchmarks/sharded_report.py [--quick] [--json PATH]
 
 Runs in its own process: it sets `XLA_FLAGS=--xla_force_host_platform_device_count=8` (and, on
-CPU, the barrier flag of design.md fact 1) before JAX starts. A residual MLP stack is trained
+CPU, the barrier flag of docs/facts.md, fact 1) before JAX starts. A residual MLP stack is trained
 data parallel over a mesh `('data',)` of 8 and over a 2-D mesh `('data', 'model')` of 4 x 2
 (Megatron-style: the first weight split by columns, the second by rows), and a per-example model
 called as `jax.vmap(model)(x)` on the data-parallel mesh (`dp_vmap`), all with Explicit

@@ -1,4 +1,4 @@
-"""The order-aware peak of forward then backward (design.md fact 4).
+"""The order-aware peak of forward then backward (docs/facts.md, fact 4).
 
 A model is a sequence of stages in call order, one per block call. Choosing option `o` for
 stage `i` keeps `saved[i][o]` bytes alive from stage `i`'s forward until its backward, and

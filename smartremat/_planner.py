@@ -254,7 +254,7 @@ def verified(model: Model, config: Config, measure: Callable, error: Callable,
 
     Candidates are the model's Pareto frontier (at most `_MAX_CANDIDATES` points, spread
     evenly) and every uniform plan: after XLA's fusion a uniform policy can take fewer FLOPs
-    than no remat (design.md fact 9), and the model's peaks are off by a few percent. The set
+    than no remat (docs/facts.md, fact 9), and the model's peaks are off by a few percent. The set
     does not depend on the budget, so each is compiled once per signature (cached), and as the
     budget falls the chosen plan's compiled temp bytes never rise.
     """
@@ -265,7 +265,7 @@ def verified(model: Model, config: Config, measure: Callable, error: Callable,
 
     with ThreadPoolExecutor(max(1, min(len(cands), os.cpu_count() or 1))) as pool:
         figures = dict(zip(cands, pool.map(measure, cands)))
-    # XLA's cost analysis counts a loop body once (design.md fact 7): with scans, rank by the model
+    # XLA's cost analysis counts a loop body once (docs/facts.md, fact 7): with scans, rank by the model
     looped = any(st.run is not None for st in stages)
     fits = [(cost_of(stages, ch) if looped else f, t, cost_of(stages, ch), ch)
             for ch, (t, f) in figures.items() if t <= config.budget_bytes]

@@ -70,3 +70,24 @@ def test_cpu_without_barrier_flag_warns_and_notes(monkeypatch):
     with pytest.warns(UserWarning, match="cse_barrier_expander"):
         plan = smartremat.explain(TutorialBlock(16, 64, jax.random.key(0)), jnp.ones((4, 16)), budget_mb=10)
     assert any("remat outside loops saves nothing" in n for n in plan.notes)
+
+
+def _traced_primitive_names() -> set[str]:
+    """Names of the primitives of this JAX: those `jax.extend` exports, and those a few traced
+    functions use (some, e.g. `split`, are not exported)."""
+    import jax.extend.core.primitives as prims
+
+    names = {p.name for p in vars(prims).values() if isinstance(p, jax.extend.core.Primitive)}
+    x = jnp.ones((4, 4))
+    fns = [lambda x: jax.lax.optimization_barrier(x), lambda x: jnp.split(x, 2), lambda x: jnp.copy(x),
+           lambda x: jnp.pad(x[None], 1).squeeze(), lambda x: jnp.concatenate([x.T, x[::-1]])]
+    for fn in fns:
+        names |= {e.primitive.name for e in jax.make_jaxpr(fn)(x).eqns}
+    return names
+
+
+def test_cost_tables_name_primitives_that_exist():
+    """Equations are costed by primitive name: a name JAX renamed (e.g. "pjit" -> "jit") would
+    silently fall through to the elementwise rule."""
+    missing = (_cost._FREE | _cost._MOVEMENT) - _traced_primitive_names()
+    assert not missing, f"not primitives of jax {jax.__version__}: {sorted(missing)}"
