@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -34,7 +35,7 @@ class Cost:
 def _shard_shape(aval, shape: tuple) -> tuple:
     sharding = getattr(aval, "sharding", None)
     mesh = getattr(sharding, "mesh", None)
-    if mesh is None or getattr(mesh, "size", 1) <= 1:
+    if sharding is None or mesh is None or getattr(mesh, "size", 1) <= 1:
         return shape
     try:
         return tuple(sharding.shard_shape(tuple(shape)))
@@ -75,8 +76,9 @@ def _conv_flops(eqn) -> int:
     return 2 * _size(eqn.outvars[0].aval) * int(per_output)
 
 
-def _sub_jaxprs(eqn):
-    """(jaxpr, multiplicity) pairs for equations that hold other jaxprs."""
+def _sub_jaxprs(eqn) -> list[tuple[Any, Any]]:
+    """(jaxpr, multiplicity) pairs for equations that hold other jaxprs; a `cond` gives
+    `("max", branches)`: it costs its costliest branch."""
     p = eqn.params
     name = eqn.primitive.name
     if name == "scan":

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
-import jax
+from jax.core import Tracer
 
 from . import _intercept, _planner
 from ._cache import KeyedCache, environment_key
@@ -34,7 +34,7 @@ class PlannedStep:
     def _entry(self, args: tuple, kwargs: dict) -> tuple[tuple[Entry, Any, Box], list]:
         args, kwargs = bind(self.__wrapped__, args, kwargs)
         sig, dynamic = split_args(args, kwargs)
-        traced = any(isinstance(x, jax.core.Tracer) for x in dynamic)
+        traced = any(isinstance(x, Tracer) for x in dynamic)
         key = (sig.key(), traced, *environment_key())
         return self._entries.get(key, lambda: self._make(sig, args, kwargs, traced)), dynamic
 

@@ -111,7 +111,7 @@ def _expand(st: Stage, o: int, state: tuple, cont: bool, start_mode: int, limit:
 def _pareto(k: np.ndarray, c: np.ndarray, label: np.ndarray) -> np.ndarray:
     """Indices of states not dominated in (kept, cost) by another state of the same label."""
     order = np.lexsort((c, k, label))
-    ks, cs, ls = k[order], c[order], label[order]
+    cs, ls = c[order], label[order]
     keep = np.zeros(len(order), bool)
     starts = np.flatnonzero(np.r_[True, ls[1:] != ls[:-1]])
     for a, b in zip(starts, np.r_[starts[1:], len(order)]):
@@ -126,7 +126,7 @@ def solve(stages: Sequence[Stage], limit: int) -> Solution | None:
 
     Among equally cheap choices the one with the lowest peak is returned.
     """
-    best = None
+    best: Solution | None = None
     for variant, _ in _tied_variants(stages):
         sol = _solve_free(variant, limit)
         if sol is None:
@@ -155,7 +155,7 @@ def min_peak(stages: Sequence[Stage]) -> Solution:
     """A choice of the lowest modelled peak (ties: cheapest)."""
     if any(st.run is not None for st in stages):
         return _min_peak_bisect(stages)
-    best = None
+    best: Solution | None = None
     for variant, _ in _tied_variants(stages):
         front = [(0, 0, ())]  # (kept, worst, choice)
         for st in variant:
@@ -171,6 +171,7 @@ def min_peak(stages: Sequence[Stage]) -> Solution:
             sol = Solution(ch, peak_of(stages, ch), cost_of(stages, ch))
             if best is None or (sol.peak, sol.cost) < (best.peak, best.cost):
                 best = sol
+    assert best is not None  # every variant has at least the empty choice
     # cheapest among the lowest-peak choices
     cheapest = solve(stages, best.peak)
     return cheapest if cheapest is not None else best

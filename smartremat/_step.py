@@ -18,6 +18,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+from jax.core import Tracer
 import numpy as np
 
 from . import _intercept, _jax_private
@@ -53,7 +54,7 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
     """Shape, dtype, weak type and (for a concrete array) the sharding it is placed with."""
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
-    if isinstance(x, jax.core.Tracer):
+    if isinstance(x, Tracer):
         return abstract(x)
     if isinstance(x, jax.Array):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
@@ -168,8 +169,9 @@ def traced_once(trace: Callable[[], Any], box: Box, expected: int | None) -> Any
 def _label(module: Any, owners: dict[int, str], roots: list[tuple[str, Any]], seen: dict) -> str:
     """The argument a traced module came from: the one its arrays were taken from (through
     `jax.grad`'s tracers), else the one of the same class and structure, else `call<k>`."""
-    leaves = [x for x in jax.tree.leaves(module) if isinstance(x, jax.core.Tracer)]
-    names = {owners.get(id(_jax_private.differentiated_from(x))) for x in leaves} - {None}
+    leaves = [x for x in jax.tree.leaves(module) if isinstance(x, Tracer)]
+    found = (owners.get(id(_jax_private.differentiated_from(x))) for x in leaves)
+    names = {n for n in found if n is not None}
     if len(names) != 1:
         structure = jax.tree.structure(module)
         names = {n for n, m in roots if type(m) is type(module) and jax.tree.structure(m) == structure}
@@ -208,7 +210,7 @@ def record(fun: Callable, sig: Signature, roots: list[tuple[str, Any]]) -> list[
     def context(args, kwargs):  # the traced arguments: which input arrays belong to which module
         owners.clear()
         for name, m in root_modules(fun, args, kwargs):
-            owners.update({id(x): name for x in jax.tree.leaves(m) if isinstance(x, jax.core.Tracer)})
+            owners.update({id(x): name for x in jax.tree.leaves(m) if isinstance(x, Tracer)})
         return _intercept.StepContext(classes, on_root)
 
     classes = frozenset(type(m) for _, m in roots)
