@@ -12,7 +12,7 @@ OLDEST_TESTS := tests/test_api.py tests/test_profile.py tests/test_discover.py t
 $(BIN)/activate: pyproject.toml requirements/dev.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c requirements/dev.txt -e '.[test,bench,docs]'
+	$(BIN)/pip install -q -c requirements/dev.txt -e '.[test,bench,docs,typecheck]'
 	touch $(BIN)/activate
 
 $(OLDEST)/bin/activate: pyproject.toml requirements/oldest.txt
