@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ._cache import KeyedCache, environment_key
+from ._cache import Identity, KeyedCache, environment_key
 from ._apply import Assignment, run
 from ._profile import compiled_temp, mesh_context, n_module_leaves, split_diff
 from ._spec import CallSpec, placed_sharding
@@ -154,8 +154,10 @@ def _assignment_key(assignment: Assignment) -> tuple:
 
 
 def _policy_key(pol: Any) -> Any:
+    """A policy as a key part: itself if hashable, else compared by identity (and held, so its id
+    cannot be reused by another policy while the key lives)."""
     try:
         hash(pol)
         return pol
     except TypeError:
-        return id(pol)
+        return Identity(pol)
