@@ -6,8 +6,6 @@ import sys
 flag = "--xla_disable_hlo_passes=cse_barrier_expander"
 if flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # benchmarks/
 assert "jax" not in sys.modules or flag in os.environ["XLA_FLAGS"]
 
 
@@ -36,8 +34,3 @@ def fit_log():
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
-
-def short_plan(policies: dict) -> str:
-    """`{path: policy}` in a few characters: `none`, `dots`, `dots_nb`, `full`, nested kept short."""
-    names = {"dots_saveable": "dots", "dots_with_no_batch_dims_saveable": "dots_nb", "nothing_saveable": "full"}
-    return " ".join(names.get(p, p) for p in policies.values())

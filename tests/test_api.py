@@ -7,8 +7,8 @@ import smartremat
 from smartremat import MB, Plan, PlanBlock, PolicyFigures, SmartRemat, explain, filter_jit
 from smartremat import smartremat as smartremat_decorator
 
-from helpers import tree_allclose
-from models import MLPStack, TutorialBlock
+from tests.helpers import tree_allclose
+from tests.models import MLPStack, TutorialBlock
 
 
 def test_public_names():

@@ -15,7 +15,7 @@ import smartremat
 from smartremat import _cache, _planner, _profile, _spec, _step, _verify
 from smartremat import smartremat as sr
 
-from models import MLPStack
+from tests.models import MLPStack
 
 
 class Unhashable:

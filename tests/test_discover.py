@@ -6,8 +6,8 @@ import pytest
 import smartremat
 from smartremat import smartremat as sr
 
-from helpers import tree_allclose
-from models import TutorialBlock
+from tests.helpers import tree_allclose
+from tests.models import TutorialBlock
 
 
 class Branchy(eqx.Module):

@@ -23,7 +23,7 @@ import pytest
 
 import smartremat
 
-from helpers import tree_allclose, uniform
+from tests.helpers import tree_allclose, uniform
 
 split = jax.random.split
 

@@ -13,8 +13,8 @@ import smartremat
 from smartremat import _planner
 from smartremat import smartremat as sr
 
-from helpers import backward, tree_allclose
-from models import MLPStack
+from tests.helpers import backward, tree_allclose
+from tests.models import MLPStack
 
 
 @sr(budget_mb=0.5)

@@ -17,8 +17,8 @@ from smartremat._apply import run
 from smartremat._scan import Segments
 from smartremat._discover import subjaxprs
 
-from helpers import tree_allclose
-from models import ScannedTransformer, Transformer
+from tests.helpers import tree_allclose
+from tests.models import ScannedTransformer, Transformer
 
 N, D, HEADS, T, B = 12, 64, 4, 256, 8
 
