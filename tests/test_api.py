@@ -13,7 +13,8 @@ from tests.models import MLPStack, TutorialBlock
 
 def test_public_names():
     assert set(n for n in dir(smartremat) if not n.startswith("_")) == {
-        "MB", "Plan", "PlanBlock", "PolicyFigures", "SmartRemat", "explain", "filter_jit", "load_plan", "smartremat"}
+        "MB", "Plan", "PlanBlock", "PolicyFigures", "SmartRemat", "clear_caches", "explain", "filter_jit", "load_plan",
+        "smartremat"}
     assert callable(filter_jit)
     assert smartremat.smartremat is smartremat_decorator
     assert smartremat_decorator.explain is explain
