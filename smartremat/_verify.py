@@ -69,10 +69,11 @@ class CrossEntropy:
         for o, t in zip(_float_leaves(out), targets, strict=True):
             o = o.astype(jnp.float32)
             if o.ndim == 0:
-                total = total + (o - t) ** 2
+                total = total + (o - t.astype(jnp.float32)) ** 2
                 continue
             logp = jax.nn.log_softmax(o, axis=-1)
-            picked = jnp.take_along_axis(logp, t[..., None], axis=-1) if self.labels else logp * t
+            picked = (jnp.take_along_axis(logp, t[..., None], axis=-1) if self.labels
+                      else logp * t.astype(jnp.float32))  # soft targets in the output's dtype
             total = total - jnp.mean(jnp.sum(picked, axis=-1))
         return total
 

@@ -1,4 +1,4 @@
-"""Set the CPU barrier flag before JAX is imported (design.md fact 1)."""
+"""Set the CPU barrier flag before JAX is imported (design.md fact 1), and strict dtype promotion."""
 
 import os
 import sys
@@ -9,7 +9,11 @@ if flag not in os.environ.get("XLA_FLAGS", ""):
 assert "jax" not in sys.modules or flag in os.environ["XLA_FLAGS"]
 
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# as Equinox's own tests do: mixing dtypes must be explicit, in the library and in the tests
+jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
 @pytest.fixture(scope="session")

@@ -53,7 +53,7 @@ def test_blocks_returning_nothing():
 
 
 def test_blocks_naming_an_uncalled_sub_module_warns():
-    from test_discover import Branchy
+    from tests.test_discover import Branchy
 
     wrapped = sr(budget_mb=1, verify=False, calibrate=False, blocks=lambda m: [m.last, m.unused])(Branchy(jax.random.key(0)))
     with pytest.warns(UserWarning, match=r"`smartremat\(blocks=\.\.\.\)` named unused, which the module's forward never calls"):
