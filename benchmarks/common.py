@@ -83,7 +83,7 @@ def output_loss(out: Any, target: Any) -> jax.Array:
     if jnp.issubdtype(target.dtype, jnp.integer):
         logp = jax.nn.log_softmax(out, axis=-1)
         return -jnp.mean(jnp.take_along_axis(logp, target[..., None], axis=-1))
-    return jnp.mean((out - target) ** 2)
+    return jnp.mean((out - target.astype(jnp.float32)) ** 2)
 
 
 def loss_of(model: Any, x: Any, target: Any) -> jax.Array:

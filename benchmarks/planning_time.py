@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 import smartremat
-from smartremat import _planner, _profile
+
 from smartremat._memory import Stage
 from smartremat._solve import solve
 from benchmarks.fit_report import Stack
@@ -31,8 +31,7 @@ from benchmarks.models import GPTBlock
 
 
 def plan_time(layers: int, calibrate: bool) -> tuple[float, smartremat.Plan]:
-    _planner._PLANS.clear()
-    _profile._CACHE.clear()
+    smartremat.clear_caches()
     model = eqx.filter_eval_shape(
         lambda: Stack([GPTBlock(768, 12, k) for k in jax.random.split(jax.random.key(0), layers)]))
     x = jax.ShapeDtypeStruct((8, 512, 768), jnp.float32)

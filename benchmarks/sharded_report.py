@@ -2,8 +2,8 @@
 
     python benchmarks/sharded_report.py [--quick] [--json PATH]
 
-Runs in its own process: it sets `XLA_FLAGS=--xla_force_host_platform_device_count=8` (and, on
-CPU, the barrier flag of docs/facts.md, fact 1) before JAX starts. A residual MLP stack is trained
+Runs in its own process: it asks JAX for 8 CPU devices (`jax_num_cpu_devices`) and, on CPU, sets
+the barrier flag of docs/facts.md, fact 1, before JAX starts a backend. A residual MLP stack is trained
 data parallel over a mesh `('data',)` of 8 and over a 2-D mesh `('data', 'model')` of 4 x 2
 (Megatron-style: the first weight split by columns, the second by rows), and a per-example model
 called as `jax.vmap(model)(x)` on the data-parallel mesh (`dp_vmap`), all with Explicit
@@ -22,12 +22,10 @@ import os
 import shutil
 import sys
 
-_DEVICES = "--xla_force_host_platform_device_count=8"
 if "jax" not in sys.modules:
     flags = os.environ.get("XLA_FLAGS", "")
     if shutil.which("nvidia-smi") is None and "cse_barrier_expander" not in flags:
-        flags += " --xla_disable_hlo_passes=cse_barrier_expander"
-    os.environ["XLA_FLAGS"] = (flags + " " + _DEVICES).strip()
+        os.environ["XLA_FLAGS"] = (flags + " --xla_disable_hlo_passes=cse_barrier_expander").strip()
 
 import argparse
 import json
@@ -38,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+jax.config.update("jax_num_cpu_devices", 8)  # before any backend starts: JAX fixes the count then
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import smartremat

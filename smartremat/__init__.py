@@ -1,5 +1,6 @@
 """smartremat: choose `jax.checkpoint` placement and policies for an Equinox module under a memory budget."""
 
+from ._cache import clear_caches as clear_caches
 from ._decorator import SmartRemat as SmartRemat
 from ._decorator import smartremat as smartremat
 from ._explain import explain as explain

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from . import _jax_private
+from ._cache import Identity
 
 
 def _is_array(x: Any) -> bool:
@@ -32,11 +33,18 @@ def merge_leaves(treedef: Any, static: tuple[tuple[int, Any], ...], dynamic: Any
 
 
 def _hashable(x: Any) -> Any:
+    """A static leaf as a key part: itself if hashable, a mutable set or byte array by its value,
+    else the object itself compared by identity (held, so its id cannot be reused meanwhile)."""
     try:
         hash(x)
         return x
     except TypeError:
-        return ("<unhashable>", type(x).__name__, id(x))
+        pass
+    if type(x) is set:
+        return ("<set>", frozenset(_hashable(v) for v in x))
+    if type(x) is bytearray:
+        return ("<bytearray>", bytes(x))
+    return ("<unhashable>", type(x).__name__, Identity(x))
 
 
 @dataclass(frozen=True)
@@ -116,7 +124,7 @@ def _mesh_of(sharding: Any) -> Any:
     return mesh if mesh is not None and getattr(mesh, "size", 1) > 1 else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)
 def _concrete_mesh(sizes: tuple, names: tuple, types: tuple) -> jax.sharding.Mesh:
     """A device mesh for an abstract one seen inside `jit`: the first devices, in order."""
     devices = np.array(jax.devices()[: math.prod(sizes)]).reshape(sizes)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ._cache import KeyedCache, environment_key
+from ._cache import Identity, KeyedCache, environment_key
 from ._apply import Assignment, run
 from ._profile import compiled_temp, mesh_context, n_module_leaves, split_diff
 from ._spec import CallSpec, placed_sharding
@@ -69,10 +69,11 @@ class CrossEntropy:
         for o, t in zip(_float_leaves(out), targets, strict=True):
             o = o.astype(jnp.float32)
             if o.ndim == 0:
-                total = total + (o - t) ** 2
+                total = total + (o - t.astype(jnp.float32)) ** 2
                 continue
             logp = jax.nn.log_softmax(o, axis=-1)
-            picked = jnp.take_along_axis(logp, t[..., None], axis=-1) if self.labels else logp * t
+            picked = (jnp.take_along_axis(logp, t[..., None], axis=-1) if self.labels
+                      else logp * t.astype(jnp.float32))  # soft targets in the output's dtype
             total = total - jnp.mean(jnp.sum(picked, axis=-1))
         return total
 
@@ -154,8 +155,10 @@ def _assignment_key(assignment: Assignment) -> tuple:
 
 
 def _policy_key(pol: Any) -> Any:
+    """A policy as a key part: itself if hashable, else compared by identity (and held, so its id
+    cannot be reused by another policy while the key lives)."""
     try:
         hash(pol)
         return pol
     except TypeError:
-        return id(pol)
+        return Identity(pol)

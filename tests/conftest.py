@@ -1,4 +1,4 @@
-"""Set the CPU barrier flag before JAX is imported (design.md fact 1)."""
+"""Set the CPU barrier flag before JAX is imported (design.md fact 1), and strict dtype promotion."""
 
 import os
 import sys
@@ -6,12 +6,14 @@ import sys
 flag = "--xla_disable_hlo_passes=cse_barrier_expander"
 if flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # benchmarks/
 assert "jax" not in sys.modules or flag in os.environ["XLA_FLAGS"]
 
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# as Equinox's own tests do: mixing dtypes must be explicit, in the library and in the tests
+jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
 @pytest.fixture(scope="session")
@@ -36,8 +38,3 @@ def fit_log():
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
-
-def short_plan(policies: dict) -> str:
-    """`{path: policy}` in a few characters: `none`, `dots`, `dots_nb`, `full`, nested kept short."""
-    names = {"dots_saveable": "dots", "dots_with_no_batch_dims_saveable": "dots_nb", "nothing_saveable": "full"}
-    return " ".join(names.get(p, p) for p in policies.values())

@@ -1,4 +1,4 @@
-"""Shared test helpers: tree comparison and the compiler's figures for a training step."""
+"""Shared test helpers: tree comparison, short plan names, and the compiler's figures for a training step."""
 
 from __future__ import annotations
 
@@ -20,6 +20,12 @@ def tree_allclose(a: Any, b: Any, rtol: float = 1e-6, atol: float = 0.0) -> bool
         if not np.all(np.abs(x - y) <= atol + rtol * max(scale, 1e-30)):
             return False
     return True
+
+
+def short_plan(policies: dict) -> str:
+    """`{path: policy}` in a few characters: `none`, `dots`, `dots_nb`, `full`, nested kept short."""
+    names = {"dots_saveable": "dots", "dots_with_no_batch_dims_saveable": "dots_nb", "nothing_saveable": "full"}
+    return " ".join(names.get(p, p) for p in policies.values())
 
 
 # The hand-written fixed strategies and the compiler's figures are the benchmark's own, so tests

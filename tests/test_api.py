@@ -7,13 +7,14 @@ import smartremat
 from smartremat import MB, Plan, PlanBlock, PolicyFigures, SmartRemat, explain, filter_jit
 from smartremat import smartremat as smartremat_decorator
 
-from helpers import tree_allclose
-from models import MLPStack, TutorialBlock
+from tests.helpers import tree_allclose
+from tests.models import MLPStack, TutorialBlock
 
 
 def test_public_names():
     assert set(n for n in dir(smartremat) if not n.startswith("_")) == {
-        "MB", "Plan", "PlanBlock", "PolicyFigures", "SmartRemat", "explain", "filter_jit", "load_plan", "smartremat"}
+        "MB", "Plan", "PlanBlock", "PolicyFigures", "SmartRemat", "clear_caches", "explain", "filter_jit", "load_plan",
+        "smartremat"}
     assert callable(filter_jit)
     assert smartremat.smartremat is smartremat_decorator
     assert smartremat_decorator.explain is explain

@@ -8,8 +8,8 @@ import pytest
 import smartremat
 from smartremat import smartremat as sr
 
-from helpers import step_figures, tree_allclose, uniform
-from models import MLPStack
+from tests.helpers import step_figures, tree_allclose, uniform
+from tests.models import MLPStack
 
 
 def cast(tree, dtype):

@@ -12,8 +12,8 @@ import pytest
 import smartremat
 from smartremat import smartremat as sr
 
-from helpers import backward
-from models import MLPStack, TutorialBlock
+from tests.helpers import backward
+from tests.models import MLPStack, TutorialBlock
 
 
 @pytest.mark.parametrize("bad", [0, -1, math.nan, math.inf, "10", None, True])
@@ -53,7 +53,7 @@ def test_blocks_returning_nothing():
 
 
 def test_blocks_naming_an_uncalled_sub_module_warns():
-    from test_discover import Branchy
+    from tests.test_discover import Branchy
 
     wrapped = sr(budget_mb=1, verify=False, calibrate=False, blocks=lambda m: [m.last, m.unused])(Branchy(jax.random.key(0)))
     with pytest.warns(UserWarning, match=r"`smartremat\(blocks=\.\.\.\)` named unused, which the module's forward never calls"):
@@ -158,8 +158,8 @@ def test_wrapping_a_planned_module_again_is_refused():
 _NO_FLAG = """
 import jax, jax.numpy as jnp
 from smartremat import smartremat as sr
-from models import MLPStack
-from helpers import backward
+from tests.models import MLPStack
+from tests.helpers import backward
 try:
     backward(sr(budget_mb=0.001, verify=False, calibrate=False)(MLPStack(2, 16, 64, jax.random.key(0))), jnp.ones((8, 16)))
 except ValueError as e:
@@ -169,7 +169,7 @@ except ValueError as e:
 
 def test_infeasible_budget_without_the_cpu_flag_names_the_flag():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__))]))
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", _NO_FLAG], env=env, capture_output=True, text=True, timeout=120)
     assert re.search(r"below the lowest peak .*XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander.* is not set in this process",
                      out.stdout, re.S), out.stdout + out.stderr

@@ -13,8 +13,8 @@ from smartremat import MB
 from smartremat import smartremat as sr
 from smartremat._memory import cost_of, peak_of
 
-from helpers import backward
-from models import MLPStack, Transformer
+from tests.helpers import backward
+from tests.models import MLPStack, Transformer
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,8 @@ import smartremat
 from benchmarks.common import compile_step, exact
 from smartremat import MB
 
-from conftest import short_plan
-from helpers import tree_allclose, uniform
-from models import GPT, Batched, ConvNet, MLPStack, Transformer, TutorialBlock
+from tests.helpers import short_plan, tree_allclose, uniform
+from tests.models import GPT, Batched, ConvNet, MLPStack, Transformer, TutorialBlock
 
 UNIFORM = ["none", "dots", "dots_nb", "full"]
 

@@ -19,9 +19,8 @@ import pytest
 import smartremat
 from smartremat import MB
 
-from conftest import short_plan
-from helpers import tree_allclose
-from models import MLPStack, Transformer
+from tests.helpers import short_plan, tree_allclose
+from tests.models import MLPStack, Transformer
 
 
 class WithHidden(eqx.Module):

@@ -12,8 +12,8 @@ from smartremat import _planner
 from smartremat._decorator import make_config
 from smartremat._spec import make_spec
 
-from helpers import tree_allclose
-from models import Transformer
+from tests.helpers import tree_allclose
+from tests.models import Transformer
 
 MODEL = Transformer(4, 64, 4, jax.random.key(0))
 X = jnp.ones((4, 64, 64))

@@ -10,7 +10,7 @@ import smartremat
 from smartremat import _cost
 from smartremat import smartremat as sr
 
-from models import Transformer, TutorialBlock
+from tests.models import Transformer, TutorialBlock
 
 cp = jax.checkpoint_policies
 

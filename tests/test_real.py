@@ -30,8 +30,8 @@ import pytest
 import smartremat
 from smartremat import MB
 
-from conftest import short_plan
-from real import bert, nanogpt, resnet, unet, vit
+from tests.helpers import short_plan
+from tests.real import bert, nanogpt, resnet, unet, vit
 
 MODELS = {m.NAME: m for m in (unet, bert, vit, nanogpt, resnet)}
 # Planning the three slowest takes minutes each on 2 CPU cores (issue 12): CI runs the other two;

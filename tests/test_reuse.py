@@ -2,7 +2,6 @@
 
 import io
 import threading
-import time
 
 import equinox as eqx
 import jax
@@ -11,11 +10,11 @@ import optax
 import pytest
 
 import smartremat
-from smartremat import _cache, _planner, _profile, _verify
+from smartremat import _planner
 from smartremat import smartremat as sr
 
-from helpers import backward, tree_allclose
-from models import MLPStack
+from tests.helpers import backward, tree_allclose
+from tests.models import MLPStack
 
 
 @sr(budget_mb=0.5)
@@ -72,11 +71,12 @@ def test_saved_plan_loads_and_skips_planning(tmp_path, monkeypatch):
         smartremat.load_plan({"blocks": []})
 
 
-def test_two_threads_plan_once_and_agree():
+def test_two_threads_plan_once_and_agree(monkeypatch):
     model = MLPStack(3, 64, 512, jax.random.key(3))
     x = jnp.ones((24, 64))
-    for cache in (_planner._PLANS, _profile._CACHE, _verify._CACHE):
-        cache.clear()
+    smartremat.clear_caches()
+    made, make_plan = [], _planner.make_plan
+    monkeypatch.setattr(_planner, "make_plan", lambda *a: made.append(1) or make_plan(*a))
     plans, errors = [None, None], []
 
     def work(i):
@@ -90,39 +90,4 @@ def test_two_threads_plan_once_and_agree():
         t.start()
     for t in threads:
         t.join()
-    assert not errors and plans[0] == plans[1] and plans[0] is plans[1]
-
-
-def test_keyed_cache_makes_a_key_once_across_threads_and_retries_after_an_error():
-    cache, made, entered, gate = _cache.KeyedCache(), [], threading.Semaphore(0), threading.Event()
-
-    def make():
-        made.append(1)
-        entered.release()
-        gate.wait(30)
-        return object()
-
-    got = []
-    threads = [threading.Thread(target=lambda: got.append(cache.get("k", make))) for _ in range(4)]
-    for t in threads:
-        t.start()
-    entered.acquire(timeout=30)
-    time.sleep(0.2)  # time enough for the other threads to reach the cache (not an assertion)
-    gate.set()
-    for t in threads:
-        t.join()
-    assert len(made) == 1 and len(got) == 4 and all(v is got[0] for v in got)
-
-    other = threading.Event()  # different keys are made in parallel: "a" waits for "b" to start
-    ta = threading.Thread(target=lambda: cache.get("a", lambda: other.wait(30)))
-    ta.start()
-    assert cache.get("b", lambda: other.set() or "b") == "b"
-    ta.join()
-    assert cache.get("a", lambda: pytest.fail("made again")) is True
-
-    def fails():
-        raise RuntimeError("boom")
-
-    with pytest.raises(RuntimeError, match="boom"):
-        cache.get("e", fails)
-    assert cache.get("e", lambda: "second try") == "second try"
+    assert not errors and len(made) == 1 and plans[0] is plans[1]

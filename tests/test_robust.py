@@ -9,7 +9,7 @@ import smartremat
 from smartremat import _planner
 from smartremat import smartremat as sr
 
-from helpers import tree_allclose
+from tests.helpers import tree_allclose
 
 
 class Iterate(eqx.Module):

@@ -12,8 +12,8 @@ import smartremat
 from smartremat import MB, _planner
 from smartremat import smartremat as sr
 
-from helpers import tree_allclose
-from models import MLPStack
+from tests.helpers import tree_allclose
+from tests.models import MLPStack
 
 OPTIONS = dict(verify=False, calibrate=False, nested=False)
 

@@ -1,10 +1,14 @@
 """Sharded training over 8 simulated CPU devices: the budget is per device, the profile counts
 per-device bytes, and the compiled per-device temp of the real sharded step fits.
 
-JAX fixes its device count when it starts, so this runs `benchmarks/sharded_report.py --quick`
+JAX fixes its device count when its CPU backend starts, so this runs `benchmarks/sharded_report.py --quick`
 (data parallel over 8, a 2-D 4 x 2 data x model mesh, a per-example model under
 `jax.vmap(model)(x)` over the data-parallel mesh, and data parallel over a classic Auto-axes
-`Mesh` through `smartremat.filter_jit`) in a fresh process."""
+`Mesh` through `smartremat.filter_jit`) in a fresh process, which asks for 8 CPU devices with
+`jax.config.update("jax_num_cpu_devices", 8)`. That cannot be done in this process: the tests
+collected before this file have started the CPU backend with one device by then (the setting is
+refused once a backend is up), and the other tests' figures are for one device, so the suite
+cannot run on 8 either."""
 
 import json
 import os

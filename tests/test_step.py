@@ -19,9 +19,8 @@ import smartremat
 from benchmarks.common import output_loss, target_of
 from smartremat import MB
 
-from conftest import short_plan
-from helpers import tree_allclose
-from models import GPT, Batched, ConvNet, MLPStack, Transformer, TutorialBlock
+from tests.helpers import short_plan, tree_allclose
+from tests.models import GPT, Batched, ConvNet, MLPStack, Transformer, TutorialBlock
 
 CASES = {
     # name: (model, input shape, called under jax.vmap by the loss)

@@ -10,8 +10,8 @@ import pytest
 import smartremat
 from smartremat import MB, _step_plan
 
-from helpers import tree_allclose
-from models import MLPStack
+from tests.helpers import tree_allclose
+from tests.models import MLPStack
 
 OPT = optax.sgd(1e-2, momentum=0.9)
 

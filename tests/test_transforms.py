@@ -9,8 +9,8 @@ import smartremat
 from smartremat import _planner
 from smartremat import smartremat as sr
 
-from helpers import tree_allclose
-from models import MLPStack
+from tests.helpers import tree_allclose
+from tests.models import MLPStack
 
 
 def loss(m, x):
