@@ -1,4 +1,4 @@
-"""Set the CPU barrier flag before JAX is imported (design.md fact 1), and strict dtype promotion."""
+"""Set the CPU barrier flag before JAX is imported (docs/facts.md, fact 1), and strict dtype promotion."""
 
 import os
 import sys
