@@ -250,10 +250,12 @@ _MAX_CANDIDATES = 16
 
 def verified(model: Model, config: Config, measure: Callable, error: Callable,
              sol: Solution, lowest: Solution) -> tuple[Solution, tuple[int, float]]:
-    """The candidate with the fewest *compiled* FLOPs whose compiled temp bytes fit the budget.
+    """The candidate with the fewest *compiled* FLOPs (the model's FLOPs when a block is
+    scanned: XLA counts a loop body once) whose compiled temp bytes fit the budget.
 
     Candidates are the model's Pareto frontier (at most `_MAX_CANDIDATES` points, spread
-    evenly) and every uniform plan: after XLA's fusion a uniform policy can take fewer FLOPs
+    evenly; above `_MAX_FRONTIER_STAGES` stages, where enumerating it is too slow, only the
+    model's choice `sol` and the lowest-peak choice `lowest`) and every uniform plan: after XLA's fusion a uniform policy can take fewer FLOPs
     than no remat (docs/facts.md, fact 9), and the model's peaks are off by a few percent. The set
     does not depend on the budget, so each is compiled once per signature (cached), and as the
     budget falls the chosen plan's compiled temp bytes never rise.
