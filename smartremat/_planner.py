@@ -18,7 +18,7 @@ from ._apply import run
 from ._discover import call_module
 from ._cache import KeyedCache, barrier_hint, environment_key
 from ._discover import BlockCall, discover, expand_stacks, path_str
-from ._memory import Stage, cost_of, peak_of
+from ._memory import Stage, cost_of, peak_at, peak_of
 from ._plan import MB, Plan, PlanBlock, PolicyFigures
 from ._policies import no_policy_error, policy_name
 from ._profile import BlockProfile, n_module_leaves, profile_block, _residuals
@@ -32,7 +32,7 @@ from ._verify import DEFAULT_LOSSES, compiled_step
 logger = logging.getLogger("smartremat")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """What the user asked for; part of every cache key."""
 
@@ -49,8 +49,9 @@ class Config:
 
 
 @dataclass(frozen=True)
-class Model:
-    """The profiled module: block calls, their profiles, and the solver's stages.
+class MemoryModel:
+    """The memory model of the user's module, built from its profiled block calls: the calls,
+    their profiles, and the solver's stages.
 
     A scanned call gives one stage per iteration, in the order the scan runs them; `owner[i]`
     is the index of stage `i`'s call; `menus[c]` are call `c`'s options (the policy menu, then
@@ -96,12 +97,12 @@ def _available(calls: tuple[BlockCall, ...], profiles: tuple, menus: tuple) -> t
     return tuple(tuple(pol for i, pol in enumerate(menu) if i not in failed[c.path]) for c, menu in zip(calls, menus))
 
 
-def uniform(model: "Model", policy: Any) -> tuple[int, ...]:
+def uniform(model: "MemoryModel", policy: Any) -> tuple[int, ...]:
     """The choice giving every block `policy` (no remat where it failed for a block)."""
     return tuple(next((i for i, p in enumerate(model.menus[ci]) if p is policy), 0) for ci in model.owner)
 
 
-def build_model(call: Callable, spec: CallSpec, module: Any, config: Config) -> Model:
+def build_model(call: Callable, spec: CallSpec, module: Any, config: Config) -> MemoryModel:
     """Discover the block calls and profile each distinct one under every option."""
     found = discover(module, call, spec, config.blocks)
     calls = tuple(expand_stacks(found) if config.blocks is None else found)
@@ -124,7 +125,7 @@ def build_model(call: Callable, spec: CallSpec, module: Any, config: Config) -> 
                                 config.scan_segments, c.scan.xs_bytes))
             owner.append(ci)
     fixed = _fixed_bytes(call, spec, calls, profiles, config)
-    return Model(calls, profiles, tuple(stages), fixed, tuple(owner), menus)
+    return MemoryModel(calls, profiles, tuple(stages), fixed, tuple(owner), menus)
 
 
 def _menus(calls: tuple[BlockCall, ...], config: Config) -> tuple[tuple, ...]:
@@ -168,7 +169,7 @@ def _fixed_bytes(call, spec, calls, profiles, config) -> int:
     return max(internal - block_inputs, 0)
 
 
-def choices_of(model: Model, choice: tuple[int, ...]) -> dict:
+def choices_of(model: MemoryModel, choice: tuple[int, ...]) -> dict:
     """`{block path: chosen option or Segments}`, one entry per distinct block."""
     per_call: dict[int, list[int]] = {}
     for ci, o in zip(model.owner, choice):
@@ -183,7 +184,7 @@ def choices_of(model: Model, choice: tuple[int, ...]) -> dict:
     return seen
 
 
-def assignment_of(model: Model, choice: tuple[int, ...]) -> tuple:
+def assignment_of(model: MemoryModel, choice: tuple[int, ...]) -> tuple:
     """`((path, policy or Segments), ...)` to apply: a nested option becomes its sub-blocks'
     entries (paths below the block's), the block itself left alone."""
     out: dict = {}
@@ -248,7 +249,7 @@ _MAX_FRONTIER_STAGES = 64
 _MAX_CANDIDATES = 16
 
 
-def verified(model: Model, config: Config, measure: Callable, error: Callable,
+def verified(model: MemoryModel, config: Config, measure: Callable, error: Callable,
              sol: Solution, lowest: Solution) -> tuple[Solution, tuple[int, float]]:
     """The candidate with the fewest *compiled* FLOPs whose compiled temp bytes fit the budget.
 
@@ -312,7 +313,7 @@ def _unseen_sharding(spec: CallSpec) -> str:
     )
 
 
-def _blocks(model: Model, config: Config, choice: tuple[int, ...]) -> tuple[PlanBlock, ...]:
+def _blocks(model: MemoryModel, config: Config, choice: tuple[int, ...]) -> tuple[PlanBlock, ...]:
     """One row per distinct block; a scan split into pieces gives one row per piece."""
     chosen = choices_of(model, choice)
     counts: dict = {}
@@ -340,12 +341,12 @@ def _menu_names(config: Config) -> set[str]:
     return {policy_name(p) for p in config.policies}
 
 
-def _uniform_peak(model: Model, policies: tuple, policy: Any) -> int:
+def _uniform_peak(model: MemoryModel, policies: tuple, policy: Any) -> int:
     chosen = policy if any(p is policy for p in policies) else policies[-1]
     return peak_of(model.stages, uniform(model, chosen))
 
 
-def assemble(model: Model, config: Config, sol: Solution, lowest: Solution, compiled, seconds,
+def assemble(model: MemoryModel, config: Config, sol: Solution, lowest: Solution, compiled, seconds,
               sig: str) -> Plan:
     stages, fixed = model.stages, model.fixed_bytes
     return Plan(
@@ -382,7 +383,7 @@ def cpu_barrier_missing() -> bool:
     return jax.default_backend() == "cpu" and "cse_barrier_expander" not in os.environ.get("XLA_FLAGS", "")
 
 
-def _notes(model: Model, sol: Solution) -> list[str]:
+def _notes(model: MemoryModel, sol: Solution) -> list[str]:
     notes = [CPU_NOTE] if cpu_barrier_missing() else []
     shown = set()
     for c, prof in zip(model.calls, model.profiles):
@@ -391,12 +392,7 @@ def _notes(model: Model, sol: Solution) -> list[str]:
                 shown.add((c.path, option))
                 notes.append(f"{path_str(c.path)} ({c.type_name}): {option} left out for this block, "
                              f"which failed under it ({why})")
-    kept, worst, at = 0, -1, 0
-    for i, (st, c) in enumerate(zip(model.stages, sol.choice)):
-        if kept + st.peak[c] > worst:
-            worst, at = kept + st.peak[c], i
-        kept += st.saved[c]
-    prior = worst - model.stages[at].peak[sol.choice[at]]
+    _, at, prior = peak_at(model.stages, sol.choice)
     notes.append(
         f"the peak is reached in the backward of {path_str(model.calls[model.owner[at]].path)} "
         f"({model.calls[model.owner[at]].type_name}), while {prior / MB:.2f} MB kept by earlier blocks are alive")

@@ -20,7 +20,7 @@ from jax.extend import core as jcore
 from ._cache import KeyedCache, environment_key
 from ._cost import Cost, aval_bytes, jaxpr_cost
 from ._policies import policy_name
-from ._spec import CallSpec
+from ._spec import CallSpec, scatter
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,7 @@ def split_diff(f: Callable, spec: CallSpec, first_n: int | None = None):
     diff_idx = [i for i, d in enumerate(spec.dynamic[:n]) if _is_float(d)]
 
     def g(diff, dyn):
-        full = list(dyn)
-        for i, x in zip(diff_idx, diff):
-            full[i] = x
-        return f(*full)
+        return f(*scatter(dyn, diff_idx, diff))
 
     return diff_idx, g
 
@@ -277,10 +274,7 @@ def _chain_job(f: Callable, g: Callable, spec: CallSpec, n_module: int, chain_at
 
     def step(*leaves):
         def of_diff(d):
-            full = list(leaves)
-            for i, x in zip(diff_idx, d):
-                full[i] = x
-            return loss(full)
+            return loss(scatter(leaves, diff_idx, d))
 
         return jax.grad(of_diff)([leaves[i] for i in diff_idx])
 

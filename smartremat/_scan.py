@@ -22,7 +22,7 @@ from jax.extend import core as jcore
 
 from . import _jax_private
 from ._discover import subjaxprs
-from ._spec import abstract
+from ._spec import abstract, scatter
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,7 @@ def run_pieces(module: Any, call: Callable, assignment: tuple, args: tuple, kwar
             chosen[i] = (path, ps[min(r, len(ps) - 1)])
 
         def f(*dyn):
-            full = list(leaves)
-            for i, x in zip(dyn_at, dyn):
-                full[i] = x
-            m, a, k = jax.tree.unflatten(treedef, full)
+            m, a, k = jax.tree.unflatten(treedef, scatter(leaves, dyn_at, dyn))
             tags = {path: f"{_TAG}{t}" for t, (_, path, _) in enumerate(segs)}
             return plain_run(m, call, tuple(chosen), a, k, tags)
 
