@@ -150,12 +150,13 @@ def _compiled_one(call: Callable, spec: CallSpec, assignment: Assignment, loss: 
 
 
 def _assignment_key(assignment: Assignment) -> tuple:
-    return tuple((path, _policy_key(pol)) for path, pol in assignment)
+    return tuple((path, _option_key(option)) for path, option in assignment)
 
 
-def _policy_key(pol: Any) -> Any:
+def _option_key(option: Any) -> Any:
+    """The option itself (options are values), or its id if it holds an unhashable policy."""
     try:
-        hash(pol)
-        return pol
+        hash(option)
+        return option
     except TypeError:
-        return id(pol)
+        return id(option)
