@@ -73,7 +73,7 @@ def test_scanned_plans_fit_the_compiler_and_keep_gradients(fraction):
     x = jax.random.normal(jax.random.key(2), (2, 32, 16))
     spec, where = make_spec(model, (x,), {}), (("attr", "layers"),)
     lo, hi = (compiled_step(type(model).__call__, spec, ((where, p),))[0]
-              for p in (jax.checkpoint_policies.nothing_saveable, None))
+              for p in (FULL_REMAT, NO_REMAT))
     budget = (lo + fraction * (hi - lo)) / 2**20
     wrapped = smartremat.smartremat(budget)(model)
     plan = smartremat.explain(wrapped, x)
