@@ -76,8 +76,10 @@ def make_config(budget_mb: Any, *, policies: Sequence[Any] | None = None, blocks
     mb = _budget_mb(budget_mb, f"{name}(budget_mb=...)")
     if plan is not None:
         _check_plan_budget(plan, mb, name)
-    return _planner.Config(int(mb * MB), normalise_policies(policies, name), mb, blocks, bool(calibrate),
-                           bool(verify), plan, int(scan_segments), bool(nested), _losses(loss, loss_args, name))
+    return _planner.Config(budget_bytes=int(mb * MB), policies=normalise_policies(policies, name), budget_mb=mb,
+                           blocks=blocks, calibrate=bool(calibrate), verify=bool(verify), plan=plan,
+                           scan_segments=int(scan_segments), nested=bool(nested),
+                           losses=_losses(loss, loss_args, name))
 
 
 def _check_plan_budget(plan: Plan, budget_mb: float, name: str) -> None:

@@ -35,13 +35,6 @@ def get_at(tree: Any, path: Path) -> Any:
     return tree
 
 
-def replace_at(tree: Any, paths: list[Path], values: list[Any]) -> Any:
-    """`eqx.tree_at` replacing the sub-modules at `paths` (never mutates `tree`)."""
-    if not paths:
-        return tree
-    return eqx.tree_at(lambda t: [get_at(t, p) for p in paths], tree, values)
-
-
 def _walk(value: Any, path: Path) -> Iterator[tuple[Path, Any]]:
     if isinstance(value, eqx.nn.Sequential):
         for i, layer in enumerate(value.layers):

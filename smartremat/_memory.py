@@ -46,13 +46,20 @@ class Stage:
 
 def peak_of(stages: Sequence[Stage], choice: Sequence[int], offset: int = 0) -> int:
     """Modelled peak bytes of `choice` (one option index per stage)."""
+    return offset + peak_at(stages, choice)[0]
+
+
+def peak_at(stages: Sequence[Stage], choice: Sequence[int]) -> tuple[int, int, int]:
+    """`(peak, i, kept)`: the modelled peak bytes of `choice`, the first stage `i` whose backward
+    reaches it, and the bytes kept by the stages before `i` while it runs."""
     split = {r for r, n in segments_of(stages, choice).items() if n > 1}
-    kept, worst = 0, 0
-    for st, c in zip(stages, choice, strict=True):
+    kept, worst, at, prior = 0, 0, 0, 0
+    for i, (st, c) in enumerate(zip(stages, choice, strict=True)):
         extra = st.split_extra if st.run in split else 0
-        worst = max(worst, kept + st.peak[c] + extra)
+        if kept + st.peak[c] + extra > worst:
+            worst, at, prior = kept + st.peak[c] + extra, i, kept
         kept += st.saved[c] + extra
-    return offset + worst
+    return worst, at, prior
 
 
 def cost_of(stages: Sequence[Stage], choice: Sequence[int]) -> int:

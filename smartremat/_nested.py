@@ -11,36 +11,15 @@ and the compiler treat them alike.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import Any
 
-
-from ._apply import run
+from ._options import NO_REMAT, Nested, Option
 from ._profile import _residuals, n_module_leaves
-from ._discover import BlockCall, Path, call_module, discover, path_str
-from ._policies import policy_name
-from ._render import short_name
+from ._discover import BlockCall, Path, call_module, discover
 
 MAX_CHILDREN = 2
 
 
-@dataclass(frozen=True)
-class Nested:
-    """An option for a block: its sub-blocks at `children` (paths relative to the block) under
-    their policies, the block itself not checkpointed. Called like the block's call."""
-
-    children: tuple[tuple[Path, Any], ...]
-
-    def __call__(self, module: Any, *args: Any, **kwargs: Any) -> Any:
-        return run(module, call_module, self.children, args, kwargs)
-
-    @property
-    def smartremat_name(self) -> str:
-        inner = ",".join(f"{path_str(p)}={short_name(policy_name(pol))}" for p, pol in self.children)
-        return f"nested({inner})"
-
-
-def nested_options(call: BlockCall, menu: tuple) -> tuple[Nested, ...]:
+def nested_options(call: BlockCall, menu: tuple[Option, ...]) -> tuple[Nested, ...]:
     """Every combination of `menu` policies on the block's sub-blocks that keep the most for the
     backward (not all none)."""
     module = call.spec.rebuild(call.spec.dynamic)[0]
@@ -58,4 +37,4 @@ def nested_options(call: BlockCall, menu: tuple) -> tuple[Nested, ...]:
     top = sorted(kept, key=lambda p: -kept[p])[:MAX_CHILDREN]
     top = [p for p in top if kept[p] > 0]
     combos = itertools.product(menu, repeat=len(top))
-    return tuple(Nested(tuple(zip(top, combo))) for combo in combos if any(p is not None for p in combo))
+    return tuple(Nested(tuple(zip(top, combo))) for combo in combos if any(p != NO_REMAT for p in combo))

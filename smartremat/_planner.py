@@ -17,13 +17,13 @@ import jax
 from ._apply import run
 from ._discover import call_module
 from ._cache import KeyedCache, barrier_hint, environment_key
-from ._discover import BlockCall, discover, expand_stacks, path_str
-from ._memory import Stage, cost_of, peak_of
+from ._discover import BlockCall, Path, discover, expand_stacks, path_str
+from ._memory import Stage, cost_of, peak_at, peak_of
 from ._plan import MB, Plan, PlanBlock, PolicyFigures
-from ._policies import no_policy_error, policy_name
-from ._profile import BlockProfile, n_module_leaves, profile_block, _residuals
-from ._nested import Nested, nested_options
-from ._scan import Segments
+from ._options import NO_REMAT, Entry, Option, Segments, expand
+from ._policies import FULL_REMAT, no_policy_error
+from ._profile import BlockProfile, PolicyProfile, n_module_leaves, profile_block, _residuals
+from ._nested import nested_options
 from ._solve import Solution, frontier, min_peak, solve
 from ._serialise import signature
 from ._spec import CallSpec, shardings_hidden
@@ -32,7 +32,7 @@ from ._verify import DEFAULT_LOSSES, compiled_step
 logger = logging.getLogger("smartremat")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """What the user asked for; part of every cache key."""
 
@@ -49,8 +49,9 @@ class Config:
 
 
 @dataclass(frozen=True)
-class Model:
-    """The profiled module: block calls, their profiles, and the solver's stages.
+class MemoryModel:
+    """The memory model of the user's module, built from its profiled block calls: the calls,
+    their profiles, and the solver's stages.
 
     A scanned call gives one stage per iteration, in the order the scan runs them; `owner[i]`
     is the index of stage `i`'s call; `menus[c]` are call `c`'s options (the policy menu, then
@@ -74,17 +75,16 @@ def get_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Pla
     return _PLANS.get(key, lambda: make_plan(call, spec, module, config))
 
 
-def _option_of(profile: BlockProfile, policy: Any):
-    found = _find_option(profile, policy)
+def _option_of(profile: BlockProfile, option: Option) -> PolicyProfile:
+    found = _find_option(profile, option)
     if found is None:
-        raise KeyError(policy_name(policy))
+        raise KeyError(option.name)
     return found
 
 
-def _find_option(profile: BlockProfile, policy: Any):
-    """The profiled option that `policy` is (or was merged into); `None` if it failed for the block."""
-    name = policy_name(policy)
-    return next((o for o in profile.options if o.name == name or name in o.merged), None)
+def _find_option(profile: BlockProfile, option: Option) -> PolicyProfile | None:
+    """The profile of `option` (or of the option it was merged into); `None` if it failed for the block."""
+    return next((o for o in profile.options if o.stands_for(option)), None)
 
 
 def _available(calls: tuple[BlockCall, ...], profiles: tuple, menus: tuple) -> tuple[tuple, ...]:
@@ -96,12 +96,12 @@ def _available(calls: tuple[BlockCall, ...], profiles: tuple, menus: tuple) -> t
     return tuple(tuple(pol for i, pol in enumerate(menu) if i not in failed[c.path]) for c, menu in zip(calls, menus))
 
 
-def uniform(model: "Model", policy: Any) -> tuple[int, ...]:
-    """The choice giving every block `policy` (no remat where it failed for a block)."""
-    return tuple(next((i for i, p in enumerate(model.menus[ci]) if p is policy), 0) for ci in model.owner)
+def uniform(model: MemoryModel, option: Option) -> tuple[int, ...]:
+    """The choice giving every block `option` (no remat where it failed for a block)."""
+    return tuple(next((i for i, p in enumerate(model.menus[ci]) if p == option), 0) for ci in model.owner)
 
 
-def build_model(call: Callable, spec: CallSpec, module: Any, config: Config) -> Model:
+def build_model(call: Callable, spec: CallSpec, module: Any, config: Config) -> MemoryModel:
     """Discover the block calls and profile each distinct one under every option."""
     found = discover(module, call, spec, config.blocks)
     calls = tuple(expand_stacks(found) if config.blocks is None else found)
@@ -124,7 +124,7 @@ def build_model(call: Callable, spec: CallSpec, module: Any, config: Config) -> 
                                 config.scan_segments, c.scan.xs_bytes))
             owner.append(ci)
     fixed = _fixed_bytes(call, spec, calls, profiles, config)
-    return Model(calls, profiles, tuple(stages), fixed, tuple(owner), menus)
+    return MemoryModel(calls, profiles, tuple(stages), fixed, tuple(owner), menus)
 
 
 def _menus(calls: tuple[BlockCall, ...], config: Config) -> tuple[tuple, ...]:
@@ -157,9 +157,8 @@ def _fixed_bytes(call, spec, calls, profiles, config) -> int:
     """Residuals of the work outside blocks (embedding, head, ...), held for the whole pass."""
     if len(calls) == 1 and calls[0].path == ():
         return 0
-    full = jax.checkpoint_policies.nothing_saveable
-    full = full if full in config.policies else config.policies[-1]  # any menu policy will do
-    usable = {c.path: full if _find_option(p, full) is not None else None for c, p in zip(calls, profiles)}
+    full = _full_remat(config.policies)
+    usable = {c.path: full if _find_option(p, full) is not None else NO_REMAT for c, p in zip(calls, profiles)}
     assignment = tuple(usable.items())
     f = spec.function(lambda m, *a, **k: run(m, call, assignment, a, k))
     internal, _, _ = _residuals(f, spec, n_module_leaves(spec))
@@ -168,7 +167,7 @@ def _fixed_bytes(call, spec, calls, profiles, config) -> int:
     return max(internal - block_inputs, 0)
 
 
-def choices_of(model: Model, choice: tuple[int, ...]) -> dict:
+def choices_of(model: MemoryModel, choice: tuple[int, ...]) -> dict[Path, Option]:
     """`{block path: chosen option or Segments}`, one entry per distinct block."""
     per_call: dict[int, list[int]] = {}
     for ci, o in zip(model.owner, choice):
@@ -183,19 +182,13 @@ def choices_of(model: Model, choice: tuple[int, ...]) -> dict:
     return seen
 
 
-def assignment_of(model: Model, choice: tuple[int, ...]) -> tuple:
-    """`((path, policy or Segments), ...)` to apply: a nested option becomes its sub-blocks'
-    entries (paths below the block's), the block itself left alone."""
-    out: dict = {}
-    for path, option in choices_of(model, choice).items():
-        if isinstance(option, Nested):
-            out.update({path + child: pol for child, pol in option.children})
-        else:
-            out[path] = option
-    return tuple(out.items())
+def assignment_of(model: MemoryModel, choice: tuple[int, ...]) -> tuple[Entry, ...]:
+    """`((path, option), ...)` to apply: a nested option becomes its sub-blocks' entries (paths
+    below the block's), the block itself left alone."""
+    return tuple(dict(expand(tuple(choices_of(model, choice).items()))).items())
 
 
-def _segments(opts: list[int], reverse: bool, policies: tuple) -> Any:
+def _segments(opts: list[int], reverse: bool, policies: tuple[Option, ...]) -> Option:
     """Run-length pieces over the stacked axis (a reversed scan runs it from the end)."""
     by_index = opts[::-1] if reverse else opts
     pieces, start = [], 0
@@ -248,7 +241,7 @@ _MAX_FRONTIER_STAGES = 64
 _MAX_CANDIDATES = 16
 
 
-def verified(model: Model, config: Config, measure: Callable, error: Callable,
+def verified(model: MemoryModel, config: Config, measure: Callable, error: Callable,
              sol: Solution, lowest: Solution) -> tuple[Solution, tuple[int, float]]:
     """The candidate with the fewest *compiled* FLOPs (the model's FLOPs when a block is
     scanned: XLA counts a loop body once) whose compiled temp bytes fit the budget.
@@ -314,7 +307,7 @@ def _unseen_sharding(spec: CallSpec) -> str:
     )
 
 
-def _blocks(model: Model, config: Config, choice: tuple[int, ...]) -> tuple[PlanBlock, ...]:
+def _blocks(model: MemoryModel, config: Config, choice: tuple[int, ...]) -> tuple[PlanBlock, ...]:
     """One row per distinct block; a scan split into pieces gives one row per piece."""
     chosen = choices_of(model, choice)
     counts: dict = {}
@@ -324,37 +317,30 @@ def _blocks(model: Model, config: Config, choice: tuple[int, ...]) -> tuple[Plan
         first.setdefault(c.path, (c, prof))
     out = []
     for path, (c, prof) in first.items():
-        pol = chosen[path]
-        used = {policy_name(q) for _, _, q in pol.pieces} if isinstance(pol, Segments) else {policy_name(pol)}
-        shown = [o for o in prof.options if o.name in _menu_names(config) | used or used & set(o.merged)]
+        rows = chosen[path].rows(path_str(path))
+        used = {q for _, _, q in rows}
+        shown = [o for o in prof.options if o.option in config.policies or used & {o.option, *o.merged}]
         saved, peak, cost = _figures(shown, scanned=c.scan is not None)
-        figures = tuple(PolicyFigures(o.name, s, pk, f, o.merged)
+        figures = tuple(PolicyFigures(o.name, s, pk, f, tuple(m.name for m in o.merged))
                         for o, s, pk, f in zip(shown, saved, peak, cost))
-        if isinstance(pol, Segments):
-            out += [PlanBlock(f"{path_str(path)}[{a}:{b}]", c.type_name, b - a, policy_name(q), figures)
-                    for a, b, q in pol.pieces]
-        else:
-            out.append(PlanBlock(path_str(path), c.type_name, counts[path], policy_name(pol), figures))
+        out += [PlanBlock(label, c.type_name, counts[path] if n is None else n, q.name, figures)
+                for label, n, q in rows]
     return tuple(out)
 
 
-def _menu_names(config: Config) -> set[str]:
-    return {policy_name(p) for p in config.policies}
+def _full_remat(menu: tuple[Option, ...]) -> Option:
+    """`nothing_saveable` if on the menu, else the menu's last option."""
+    return FULL_REMAT if FULL_REMAT in menu else menu[-1]
 
 
-def _uniform_peak(model: Model, policies: tuple, policy: Any) -> int:
-    chosen = policy if any(p is policy for p in policies) else policies[-1]
-    return peak_of(model.stages, uniform(model, chosen))
-
-
-def assemble(model: Model, config: Config, sol: Solution, lowest: Solution, compiled, seconds,
+def assemble(model: MemoryModel, config: Config, sol: Solution, lowest: Solution, compiled, seconds,
               sig: str) -> Plan:
     stages, fixed = model.stages, model.fixed_bytes
     return Plan(
         budget_bytes=config.budget_bytes,
         predicted_peak_bytes=sol.peak + fixed,
         no_remat_peak_bytes=peak_of(stages, (0,) * len(stages)) + fixed,
-        full_remat_peak_bytes=_uniform_peak(model, config.policies, jax.checkpoint_policies.nothing_saveable) + fixed,
+        full_remat_peak_bytes=peak_of(stages, uniform(model, _full_remat(config.policies))) + fixed,
         min_peak_bytes=lowest.peak + fixed,
         recompute_flops=sol.cost,
         forward_flops=sum(p.forward.flops * (c.scan.length if c.scan else 1)
@@ -368,7 +354,7 @@ def assemble(model: Model, config: Config, sol: Solution, lowest: Solution, comp
         notes=tuple(_notes(model, sol)),
         assignment=assignment_of(model, sol.choice),
         stages=stages,
-        menu=tuple(policy_name(p) for p in config.policies),
+        menu=tuple(p.name for p in config.policies),
         signature=sig,
     )
 
@@ -384,7 +370,7 @@ def cpu_barrier_missing() -> bool:
     return jax.default_backend() == "cpu" and "cse_barrier_expander" not in os.environ.get("XLA_FLAGS", "")
 
 
-def _notes(model: Model, sol: Solution) -> list[str]:
+def _notes(model: MemoryModel, sol: Solution) -> list[str]:
     notes = [CPU_NOTE] if cpu_barrier_missing() else []
     shown = set()
     for c, prof in zip(model.calls, model.profiles):
@@ -393,12 +379,7 @@ def _notes(model: Model, sol: Solution) -> list[str]:
                 shown.add((c.path, option))
                 notes.append(f"{path_str(c.path)} ({c.type_name}): {option} left out for this block, "
                              f"which failed under it ({why})")
-    kept, worst, at = 0, -1, 0
-    for i, (st, c) in enumerate(zip(model.stages, sol.choice)):
-        if kept + st.peak[c] > worst:
-            worst, at = kept + st.peak[c], i
-        kept += st.saved[c]
-    prior = worst - model.stages[at].peak[sol.choice[at]]
+    _, at, prior = peak_at(model.stages, sol.choice)
     notes.append(
         f"the peak is reached in the backward of {path_str(model.calls[model.owner[at]].path)} "
         f"({model.calls[model.owner[at]].type_name}), while {prior / MB:.2f} MB kept by earlier blocks are alive")

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 
+from ._options import NO_REMAT, NoRemat, Option, Policy, PolicyError
 from ._plan import MB
 
-cp = jax.checkpoint_policies
+__all__ = ["DEFAULT_MENU", "FULL_REMAT", "NO_REMAT", "PolicyError", "normalise_policies", "no_policy_error"]
 
-#: The name smartremat gives to "no `jax.checkpoint` at all" for a block.
-NO_REMAT = "none"
+cp = jax.checkpoint_policies
 
 DEFAULT_POLICIES: tuple[Any, ...] = (
     None,
@@ -31,43 +30,8 @@ _KNOWN_NAMES = {
 }
 
 
-class PolicyError(ValueError):
-    """A policy of `smartremat(policies=...)` raised when JAX called it."""
-
-
-@dataclass(frozen=True)
-class CheckedPolicy:
-    """A user's policy on the menu: called like it, under the `name` shown in plans (unique in
-    its menu), and any exception it raises becomes a `PolicyError` naming it. Equal policies
-    and names give equal (and equally hashed) `CheckedPolicy`s, so caches keyed on the menu hit."""
-
-    fn: Callable[..., Any]
-    name: str
-    option: str = field(default="smartremat", compare=False)
-
-    def __call__(self, prim: Any, *avals: Any, **params: Any) -> Any:
-        try:
-            return self.fn(prim, *avals, **params)
-        except Exception as e:
-            shapes = ", ".join(str(getattr(a, "str_short", lambda: a)()) for a in avals)
-            raise PolicyError(
-                f"`{self.option}(policies=...)` holds the policy {self.name!r} ({self.fn!r:.80}), which "
-                f"raised {type(e).__name__}: {e} when JAX called it as `policy({prim}, {shapes}, **params)`. "
-                "A `jax.checkpoint` policy is called with each primitive of the block, its input avals "
-                "and its parameters, and returns whether to save that primitive's output (True) or "
-                "recompute it (False), e.g. `lambda prim, *avals, **params: prim is jax.lax.dot_general_p`. "
-                "Fix the policy, or remove it from `policies=`."
-            ) from e
-
-
-def policy_name(policy: Callable[..., bool] | None) -> str:
-    """A stable, readable name for a policy (`"none"` for no remat)."""
-    if policy is None:
-        return NO_REMAT
-    if isinstance(policy, CheckedPolicy):
-        return policy.name
-    if hasattr(policy, "smartremat_name"):  # a nested option (smartremat._nested.Nested)
-        return policy.smartremat_name
+def _raw_name(policy: Callable[..., bool]) -> str:
+    """A stable, readable name for a policy callable."""
     if id(policy) in _KNOWN_NAMES:
         return _KNOWN_NAMES[id(policy)]
     for name in ("dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable"):
@@ -79,53 +43,68 @@ def policy_name(policy: Callable[..., bool] | None) -> str:
     return getattr(policy, "__name__", None) or repr(policy)
 
 
-def normalise_policies(policies: Sequence[Any] | None, option: str = "smartremat") -> tuple[Any, ...]:
-    """Validate `smartremat(policies=...)` and return the menu, with no remat first.
+def normalise_policies(policies: Sequence[Any] | None, option: str = "smartremat") -> tuple[Option, ...]:
+    """Validate `smartremat(policies=...)` and return the menu of options, no remat first.
 
-    No remat (`None`) is always on the menu: leaving a block alone is always possible. A policy
-    other than JAX's own (`jax.checkpoint_policies`) is wrapped in a `CheckedPolicy`, under a name unique
-    in the menu (plans tell options apart by name: a second `<lambda>` is shown as `<lambda>#2`).
+    No remat (`None`) is always on the menu: leaving a block alone is always possible. Each
+    policy becomes a `Policy` option; one other than JAX's own (`jax.checkpoint_policies`) is
+    checked (its errors name it). Names are unique in the menu, so that a plan's rows tell the
+    options apart: a second `<lambda>` is shown as `<lambda>#2`.
     """
     if policies is None:
-        return DEFAULT_POLICIES
+        return DEFAULT_MENU
     if callable(policies) or isinstance(policies, (str, bytes)) or not isinstance(policies, Sequence):
         raise TypeError(
             f"`{option}(policies=...)` should be a sequence of `jax.checkpoint` policies "
             f"(such as `[jax.checkpoint_policies.dots_saveable]`), not {policies!r}. "
             "To offer a single policy, wrap it in a list."
         )
-    raw: list[Any] = [None]
+    raw: list[Any] = []
     for p in policies:
-        if p is not None and not callable(p):
-            raise TypeError(
-                f"`{option}(policies=...)` holds {p!r}, which is not a `jax.checkpoint` policy. "
-                "Each entry should be a callable from `jax.checkpoint_policies` (e.g. "
-                "`jax.checkpoint_policies.nothing_saveable`) or `None` for no remat."
-            )
-        if p is cp.save_anything_except_these_names:
-            raise ValueError(
-                f"`{option}(policies=...)` holds `save_anything_except_these_names` itself; "
-                "call it with the names to exclude first, e.g. "
-                "`save_anything_except_these_names('attn')`."
-            )
-        p = p.fn if isinstance(p, CheckedPolicy) else p
-        if all(p is not q for q in raw):
+        p = p.fn if isinstance(p, Policy) else None if isinstance(p, NoRemat) else p
+        _check_policy(p, option)
+        if p is not None and all(p is not q for q in raw):
             raw.append(p)
-    builtin = lambda p: p is None or id(p) in _KNOWN_NAMES or _from_jax(p)
-    names = {policy_name(p) for p in raw if builtin(p)}
-    menu: list[Any] = []
-    for p in raw:
-        if builtin(p):
-            menu.append(p)
-            continue
-        name = unique = policy_name(p)
-        k = 1
-        while unique in names:
-            k += 1
-            unique = f"{name}#{k}"
-        names.add(unique)
-        menu.append(CheckedPolicy(p, unique, option))
-    return tuple(menu)
+    return _menu(raw, option)
+
+
+def _check_policy(p: Any, option: str) -> None:
+    if p is not None and not callable(p):
+        raise TypeError(
+            f"`{option}(policies=...)` holds {p!r}, which is not a `jax.checkpoint` policy. "
+            "Each entry should be a callable from `jax.checkpoint_policies` (e.g. "
+            "`jax.checkpoint_policies.nothing_saveable`) or `None` for no remat."
+        )
+    if p is cp.save_anything_except_these_names:
+        raise ValueError(
+            f"`{option}(policies=...)` holds `save_anything_except_these_names` itself; "
+            "call it with the names to exclude first, e.g. "
+            "`save_anything_except_these_names('attn')`."
+        )
+
+
+def _menu(raw: Sequence[Callable[..., Any]], option: str = "smartremat") -> tuple[Option, ...]:
+    """No remat, then an option per distinct policy: JAX's own handed to JAX as they are, a
+    user's checked; each under a name unique in the menu (JAX's own named first)."""
+    builtin = [id(p) in _KNOWN_NAMES or _from_jax(p) for p in raw]
+    names: dict[int, str] = {}
+    taken = {NO_REMAT.name}
+    for first in (True, False):
+        for i, p in enumerate(raw):
+            if builtin[i] == first:
+                names[i] = _unique(_raw_name(p), taken)
+    return (NO_REMAT,) + tuple(Policy(p, names[i], checked=not builtin[i], argument=option)
+                               for i, p in enumerate(raw))
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    """`name`, or `name#2`, `name#3`, ... : the first not in `taken` (then added to it)."""
+    unique, k = name, 1
+    while unique in taken:
+        k += 1
+        unique = f"{name}#{k}"
+    taken.add(unique)
+    return unique
 
 
 def _from_jax(policy: Any) -> bool:
@@ -137,7 +116,7 @@ def _from_jax(policy: Any) -> bool:
 def no_policy_error(menu: tuple, budget_mb: float, floor: int, option: str = "smartremat") -> ValueError | None:
     """The error for a binding budget when `policies=` left no checkpoint policy on the menu (only
     no remat), which the budget is not to blame for; None when the menu has one."""
-    if any(p is not None for p in menu):
+    if any(p != NO_REMAT for p in menu):
         return None
     return ValueError(
         f"`{option}(policies=...)` offers no checkpoint policy: it received no policy but `None` (e.g. "
@@ -146,3 +125,11 @@ def no_policy_error(menu: tuple, budget_mb: float, floor: int, option: str = "sm
         "`policies=[jax.checkpoint_policies.nothing_saveable]` (or leave `policies=None` for the default "
         f"menu), or raise `budget_mb` to at least {math.ceil(floor / MB * 100) / 100:.2f}."
     )
+
+
+#: The menu of `policies=None`: no remat, then JAX's `dots_saveable`,
+#: `dots_with_no_batch_dims_saveable` and `nothing_saveable`.
+DEFAULT_MENU: tuple[Option, ...] = _menu(DEFAULT_POLICIES[1:])
+
+#: Full remat: JAX's `nothing_saveable` on a block.
+FULL_REMAT: Option = DEFAULT_MENU[-1]

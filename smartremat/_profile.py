@@ -10,8 +10,8 @@ import contextlib
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,32 +19,38 @@ from jax.extend import core as jcore
 
 from ._cache import KeyedCache, environment_key
 from ._cost import Cost, aval_bytes, jaxpr_cost
-from ._policies import policy_name
-from ._spec import CallSpec
+from ._options import NO_REMAT, Option, PolicyError
+from ._spec import CallSpec, scatter
 
 
 @dataclass(frozen=True)
 class PolicyProfile:
-    """One block under one policy. Bytes are for the whole call (the whole batch under vmap).
+    """One block under one option. Bytes are for the whole call (the whole batch under vmap).
 
     **Fields:**
 
-    - `name`: the policy's name (`"none"` for no remat); `merged`: other policies of the menu
-      that save exactly the same residuals for this block, and so were merged into this one.
+    - `option`: the option (`NO_REMAT`, a policy, a nested option); `merged`: other options of
+      the menu that save exactly the same residuals for this block, and so were merged into this one.
     - `saved_bytes`: bytes kept alive from this block's forward until its backward.
     - `peak_bytes`: this block's own peak during its forward and backward, its kept bytes included.
     - `residual_bytes`: the jaxpr-level residual count (before any calibration).
     - `recompute`: FLOPs and bytes that the backward recomputes (zero for no remat).
     """
 
-    name: str
-    policy: Any = field(compare=False, repr=False)
+    option: Option
     saved_bytes: int
     peak_bytes: int
     residual_bytes: int
     recompute: Cost
-    signature: tuple = field(repr=False)
-    merged: tuple[str, ...] = ()
+    merged: tuple[Option, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.option.name
+
+    def stands_for(self, option: Option) -> bool:
+        """Whether `option` is this one or was merged into it."""
+        return option == self.option or option in self.merged
 
 
 @dataclass(frozen=True)
@@ -53,8 +59,18 @@ class BlockProfile:
 
     forward: Cost
     options: tuple[PolicyProfile, ...]
-    calibrated: bool
     skipped: tuple[tuple[str, str], ...] = ()  # (option, why) of options that failed for this block
+
+
+class _Measured(NamedTuple):
+    """One option's figures while profiling: residuals, recompute, and the function measured."""
+
+    option: Option
+    internal: int
+    args: int
+    recompute: Cost
+    signature: tuple
+    f: Callable
 
 
 def _is_float(d: jax.ShapeDtypeStruct) -> bool:
@@ -72,10 +88,7 @@ def split_diff(f: Callable, spec: CallSpec, first_n: int | None = None):
     diff_idx = [i for i, d in enumerate(spec.dynamic[:n]) if _is_float(d)]
 
     def g(diff, dyn):
-        full = list(dyn)
-        for i, x in zip(diff_idx, diff):
-            full[i] = x
-        return f(*full)
+        return f(*scatter(dyn, diff_idx, diff))
 
     return diff_idx, g
 
@@ -167,12 +180,6 @@ def n_module_leaves(spec: CallSpec) -> int:
     return n - sum(1 for i, _ in spec.static if i < n)
 
 
-def _wrap(policy: Any) -> Callable | None:
-    if policy is None:
-        return None
-    return lambda f: jax.checkpoint(f, policy=policy)
-
-
 _CACHE: KeyedCache[BlockProfile] = KeyedCache()
 
 
@@ -184,40 +191,50 @@ def profile_block(spec: CallSpec, call: Callable, menu: tuple, calibrate: bool) 
 
 
 def _profile_uncached(spec: CallSpec, call: Callable, menu: tuple, calibrate: bool) -> BlockProfile:
-    n_module = n_module_leaves(spec)
     f_none = spec.function(call)
     try:
         base = jaxpr_cost(jax.make_jaxpr(grad_step(f_none, spec))(*spec.dynamic))
     except Exception as e:  # e.g. a `lax.while_loop` on floats: left alone, as it runs in the user's step
         return _left_alone(f_none, spec, f"it cannot be reverse-differentiated on its own ({_reason(e)})")
-    raw, seen, skipped = [], {}, []
-    for policy in menu:  # a nested option is itself the call (its sub-blocks wrapped)
-        f = spec.function(policy) if hasattr(policy, "smartremat_name") else spec.function(call, _wrap(policy))
+    raw, merged, skipped = _measure(spec, call, menu, base)
+    peaks, calibrated = _calibration(raw, spec, n_module_leaves(spec), calibrate)
+    options = []
+    for j, m in enumerate(raw):
+        measured = calibrated[j] if calibrated is not None else None
+        saved = max(measured, 0) if measured is not None else m.internal + m.args
+        peak = peaks[j] if peaks is not None else m.internal + m.args + _transient(raw[0])
+        options.append(PolicyProfile(
+            m.option, int(saved), int(max(peak, saved)), int(m.internal + m.args),
+            Cost(max(m.recompute.flops, 0), max(m.recompute.bytes, 0)), tuple(merged[j])))
+    forward = jaxpr_cost(jax.make_jaxpr(f_none)(*spec.dynamic))
+    return BlockProfile(forward, tuple(options), tuple(skipped))
+
+
+def _measure(spec: CallSpec, call: Callable, menu: tuple, base: Cost):
+    """`(measured, merged, skipped)`: each option's `_Measured` (no remat first), the options merged
+    into each (same residuals), and `(option name, why)` for options that failed for the block."""
+    n_module = n_module_leaves(spec)
+    raw: list[_Measured] = []
+    merged: list[list[Option]] = []
+    seen: dict[tuple, int] = {}
+    skipped = []
+    for option in menu:
+        f = option.profiled(spec, call)
         try:
             internal, args, sig = _residuals(f, spec, n_module)
-            if sig in seen and policy is not None:  # same residuals as an earlier policy: merge
-                seen[sig][3].append(policy_name(policy))
+            if sig in seen and option != NO_REMAT:  # same residuals as an earlier option: merge
+                merged[seen[sig]].append(option)
                 continue
             total = jaxpr_cost(jax.make_jaxpr(grad_step(f, spec))(*spec.dynamic))
         except Exception as e:
-            if policy is None or type(e).__name__ == "PolicyError":  # the user's policy is wrong: say so
+            if option == NO_REMAT or isinstance(e, PolicyError):  # the user's policy is wrong: say so
                 raise
-            skipped.append((policy_name(policy), _reason(e)))
+            skipped.append((option.name, _reason(e)))
             continue
-        entry = [policy, internal, args, [], total - base, sig, f]
-        seen.setdefault(sig, entry)
-        raw.append(entry)
-    peaks, calibrated = _calibration(raw, spec, n_module, calibrate)
-    options = []
-    for j, (policy, internal, args, merged, recompute, sig, _) in enumerate(raw):
-        measured = calibrated[j] if calibrated is not None else None
-        saved = max(measured, 0) if measured is not None else internal + args
-        peak = peaks[j] if peaks is not None else internal + args + _transient(raw[0])
-        options.append(PolicyProfile(
-            policy_name(policy), policy, int(saved), int(max(peak, saved)), int(internal + args),
-            Cost(max(recompute.flops, 0), max(recompute.bytes, 0)), sig, tuple(merged)))
-    forward = jaxpr_cost(jax.make_jaxpr(f_none)(*spec.dynamic))
-    return BlockProfile(forward, tuple(options), peaks is not None, tuple(skipped))
+        seen.setdefault(sig, len(raw))
+        raw.append(_Measured(option, internal, args, total - base, sig, f))
+        merged.append([])
+    return raw, merged, skipped
 
 
 def _reason(e: Exception) -> str:
@@ -229,16 +246,16 @@ def _left_alone(f_none: Callable, spec: CallSpec, why: str) -> BlockProfile:
     """A block smartremat cannot profile: its only option is no remat, counted as keeping nothing
     (the compiled step, not the model, then tells what it takes)."""
     forward = jaxpr_cost(jax.make_jaxpr(f_none)(*spec.dynamic))
-    none = PolicyProfile(policy_name(None), None, 0, 0, 0, Cost(0.0, 0.0), (), ())
-    return BlockProfile(forward, (none,), False, (("every policy", why),))
+    none = PolicyProfile(NO_REMAT, 0, 0, 0, Cost(0.0, 0.0))
+    return BlockProfile(forward, (none,), (("every policy", why),))
 
 
-def _transient(none_entry: list) -> int:
+def _transient(none: _Measured) -> int:
     """Uncalibrated backward working set: the no-remat residuals, rebuilt during the backward."""
-    return none_entry[1]
+    return none.internal
 
 
-def _calibration(raw: list, spec: CallSpec, n_module: int, calibrate: bool):
+def _calibration(raw: list[_Measured], spec: CallSpec, n_module: int, calibrate: bool):
     """Ask the compiler for each option's own peak and kept bytes.
 
     Returns `(peaks, saved)`, or `(None, None)` when not calibrating. `peaks[j]` is the compiled
@@ -249,10 +266,10 @@ def _calibration(raw: list, spec: CallSpec, n_module: int, calibrate: bool):
     """
     if not calibrate:
         return None, None
-    jobs = [(grad_step(entry[6], spec), spec.dynamic) for entry in raw]
-    chain_at = _chainable(raw[0][6], spec, n_module)
+    jobs = [(grad_step(m.f, spec), spec.dynamic) for m in raw]
+    chain_at = _chainable(raw[0].f, spec, n_module)
     if chain_at is not None:
-        jobs += [_chain_job(entry[6], raw[0][6], spec, n_module, chain_at) for entry in raw]
+        jobs += [_chain_job(m.f, raw[0].f, spec, n_module, chain_at) for m in raw]
     workers = max(1, min(len(jobs), os.cpu_count() or 1))
     with ThreadPoolExecutor(workers) as pool:
         temps = [t for t, _ in pool.map(lambda job: compiled_temp(*job), jobs)]
@@ -277,10 +294,7 @@ def _chain_job(f: Callable, g: Callable, spec: CallSpec, n_module: int, chain_at
 
     def step(*leaves):
         def of_diff(d):
-            full = list(leaves)
-            for i, x in zip(diff_idx, d):
-                full[i] = x
-            return loss(full)
+            return loss(scatter(leaves, diff_idx, d))
 
         return jax.grad(of_diff)([leaves[i] for i in diff_idx])
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import equinox as eqx
@@ -22,18 +21,7 @@ from jax.extend import core as jcore
 
 from . import _jax_private
 from ._discover import subjaxprs
-from ._spec import abstract
-
-
-@dataclass(frozen=True)
-class Segments:
-    """Policies for consecutive pieces of a scan: `((start, stop, policy), ...)` over the
-    scanned axis (indices of the stacked layers), covering it in order."""
-
-    pieces: tuple[tuple[int, int, Any], ...]
-
-    def policies(self) -> list[Any]:
-        return list(dict.fromkeys(pol for _, _, pol in self.pieces))
+from ._spec import abstract, scatter
 
 
 _TAG = "smartremat_scan_"
@@ -41,23 +29,21 @@ _TAG = "smartremat_scan_"
 
 def run_pieces(module: Any, call: Callable, assignment: tuple, args: tuple, kwargs: dict,
                plain_run: Callable) -> Any:
-    """`plain_run(module, call, assignment, args, kwargs)` with each `Segments` entry's scan split."""
-    segs = [(i, path, pol) for i, (path, pol) in enumerate(assignment) if isinstance(pol, Segments)]
-    rounds = max(len(pol.policies()) for _, _, pol in segs)
+    """`plain_run(module, call, assignment, args, kwargs)` with the scan of each entry that runs
+    several options (a `Segments`) split into its pieces."""
+    segs = [(i, path, pol) for i, (path, pol) in enumerate(assignment) if len(pol.variants) > 1]
+    rounds = max(len(pol.variants) for _, _, pol in segs)
     leaves, treedef = jax.tree.flatten((module, args, kwargs))
     dyn_at = [i for i, x in enumerate(leaves) if eqx.is_array(x)]
 
     def forward(r: int) -> Callable:
         chosen = list(assignment)
         for i, path, pol in segs:
-            ps = pol.policies()
+            ps = pol.variants
             chosen[i] = (path, ps[min(r, len(ps) - 1)])
 
         def f(*dyn):
-            full = list(leaves)
-            for i, x in zip(dyn_at, dyn):
-                full[i] = x
-            m, a, k = jax.tree.unflatten(treedef, full)
+            m, a, k = jax.tree.unflatten(treedef, scatter(leaves, dyn_at, dyn))
             tags = {path: f"{_TAG}{t}" for t, (_, path, _) in enumerate(segs)}
             return plain_run(m, call, tuple(chosen), a, k, tags)
 
@@ -69,7 +55,7 @@ def run_pieces(module: Any, call: Callable, assignment: tuple, args: tuple, kwar
     targets = {}
     for t, (_, _, pol) in enumerate(segs):
         k = _find_scan(closed.jaxpr, t)
-        ps = pol.policies()
+        ps = pol.variants
         bodies = [_body_at(traced[ps.index(p)][0].jaxpr, t, closed.jaxpr.eqns[k]) for _, _, p in pol.pieces]
         targets[k] = [(a, b, body) for (a, b, _), body in zip(pol.pieces, bodies)]
     outs = _evaluate(closed, targets, [leaves[i] for i in dyn_at])

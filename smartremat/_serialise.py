@@ -6,18 +6,16 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
-from typing import Any
 
 import jax
 
 from ._plan import MB, Plan, PlanBlock, PolicyFigures
-from ._policies import DEFAULT_POLICIES, policy_name
-from ._nested import Nested
-from ._scan import Segments
+from ._options import Nested, Option, from_json
+from ._policies import DEFAULT_MENU
 from ._spec import CallSpec
 from ._discover import path_str
 
-_BY_NAME = {policy_name(p): p for p in DEFAULT_POLICIES}
+_BY_NAME = {o.name: o for o in DEFAULT_MENU}
 
 
 def signature(call: Callable, spec: CallSpec) -> str:
@@ -31,7 +29,7 @@ def signature(call: Callable, spec: CallSpec) -> str:
 def plan_to_json(plan: Plan) -> str:
     data = plan.to_dict()
     data["signature"] = plan.signature
-    data["assignment"] = [[[list(step) for step in path], _policy_json(pol)] for path, pol in plan.assignment]
+    data["assignment"] = [[[list(step) for step in path], option.to_json()] for path, option in plan.assignment]
     return json.dumps(data, indent=1)
 
 
@@ -92,7 +90,7 @@ def _plan_of(data: dict) -> Plan:
         compiled_peak_bytes=None if data["compiled_peak_mb"] is None else round(data["compiled_peak_mb"] * MB),
         compiled_flops=data["compiled_flops"], fixed_bytes=round(data["fixed_mb"] * MB),
         planning_seconds=data["planning_s"], backend=data["backend"], notes=tuple(data["notes"]),
-        assignment=tuple((tuple(tuple(step) for step in path), _policy_of_json(pol)) for path, pol in data["assignment"]),
+        assignment=tuple((tuple(tuple(step) for step in path), from_json(o, _policy)) for path, o in data["assignment"]),
         signature=str(data["signature"]),
     )
 
@@ -104,15 +102,9 @@ def _block(b: dict) -> PlanBlock:
 
 
 def _rows_of(assignment: tuple) -> dict[str, str]:
-    """`{row label: policy name}` that the assignment (what runs) implies, labelled as the
+    """`{row label: option name}` that the assignment (what runs) implies, labelled as the
     planner labels its rows: one per block, one per piece of a split scan."""
-    rows: dict[str, str] = {}
-    for path, pol in assignment:
-        if isinstance(pol, Segments):
-            rows.update({f"{path_str(path)}[{a}:{b}]": policy_name(q) for a, b, q in pol.pieces})
-        else:
-            rows[path_str(path)] = policy_name(pol)
-    return rows
+    return {label: q.name for path, option in assignment for label, _, q in option.rows(path_str(path))}
 
 
 def _check_rows(plan: Plan, where: str) -> None:
@@ -130,7 +122,7 @@ def _check_rows(plan: Plan, where: str) -> None:
         runs, labels = rows.get(b.path), {b.path}
         if runs is None:  # a nested option: the block's sub-blocks are in the assignment
             children = _children(plan.assignment, b.path)
-            runs, labels = (policy_name(Nested(tuple(children.values()))), set(children)) if children else (None, set())
+            runs, labels = (Nested(tuple(children.values())).name, set(children)) if children else (None, set())
         if runs is None:
             raise PlanFileError(
                 f"`load_plan({where})`: block {b.path!r} (policy {b.policy!r}) has no entry in the "
@@ -153,38 +145,22 @@ def _check_rows(plan: Plan, where: str) -> None:
 
 
 def _children(assignment: tuple, label: str) -> dict[str, tuple]:
-    """`{row label: (path below the block, policy)}` of the entries below the block whose path
-    reads `label` (the sub-blocks a nested option checkpoints)."""
+    """`{row label: (path below the block, option)}` of the entries below the block whose path
+    reads `label` (the sub-blocks a nested option checkpoints; a split scan is never one)."""
     out = {}
-    for path, pol in assignment:
+    for path, option in assignment:
         for k in range(len(path)):
-            if path_str(path[:k]) == label and not isinstance(pol, Segments):
-                out[path_str(path)] = (path[k:], pol)
+            if path_str(path[:k]) == label and len(option.variants) == 1:
+                out[path_str(path)] = (path[k:], option)
                 break
     return out
 
 
-def _policy(name: str) -> Any:
+def _policy(name: str) -> Option:
+    """The option of the default menu named `name` (only those can be rebuilt from a name)."""
     if not isinstance(name, str) or name not in _BY_NAME:
         raise PlanFileError(
             f"the plan names the policy {name!r}, which `load_plan` cannot rebuild from its name (only "
             f"{sorted(_BY_NAME)} can be). Plan again with `smartremat(policies=[...])` instead of loading."
         )
     return _BY_NAME[name]
-
-
-def _policy_json(pol: Any) -> Any:
-    """A policy, a `Segments` or a nested option as JSON (names, paths as lists)."""
-    if isinstance(pol, Segments):
-        return {"segments": [[a, b, _policy_json(p)] for a, b, p in pol.pieces]}
-    if isinstance(pol, Nested):
-        return {"nested": [[[list(step) for step in path], policy_name(p)] for path, p in pol.children]}
-    return policy_name(pol)
-
-
-def _policy_of_json(pol: Any) -> Any:
-    if isinstance(pol, dict) and "segments" in pol:
-        return Segments(tuple((int(a), int(b), _policy_of_json(p)) for a, b, p in pol["segments"]))
-    if isinstance(pol, dict) and "nested" in pol:
-        return Nested(tuple((tuple(tuple(step) for step in path), _policy(name)) for path, name in pol["nested"]))
-    return _policy(pol)

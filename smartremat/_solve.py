@@ -33,7 +33,7 @@ def _tied_variants(stages: Sequence[Stage]):
         groups.setdefault(st.group, []).append(i)
     tied = [g for g, idx in groups.items() if len(idx) > 1]
     if not tied:
-        yield list(stages), None
+        yield list(stages)
         return
     sizes = [len(stages[groups[g][0]].saved) for g in tied]
     if np.prod(sizes, dtype=float) > _MAX_TIED_COMBOS:
@@ -43,7 +43,7 @@ def _tied_variants(stages: Sequence[Stage]):
         )
     for combo in itertools.product(*[range(s) for s in sizes]):
         fixed = {i: o for g, o in zip(tied, combo) for i in groups[g]}
-        yield [st if i not in fixed else _only(st, fixed[i]) for i, st in enumerate(stages)], fixed
+        yield [st if i not in fixed else _only(st, fixed[i]) for i, st in enumerate(stages)]
 
 
 _FORBIDDEN = np.iinfo(np.int64).max // 4  # an option a tied variant rules out
@@ -127,7 +127,7 @@ def solve(stages: Sequence[Stage], limit: int) -> Solution | None:
     Among equally cheap choices the one with the lowest peak is returned.
     """
     best: Solution | None = None
-    for variant, _ in _tied_variants(stages):
+    for variant in _tied_variants(stages):
         sol = _solve_free(variant, limit)
         if sol is None:
             continue
@@ -156,7 +156,7 @@ def min_peak(stages: Sequence[Stage]) -> Solution:
     if any(st.run is not None for st in stages):
         return _min_peak_bisect(stages)
     best: Solution | None = None
-    for variant, _ in _tied_variants(stages):
+    for variant in _tied_variants(stages):
         front = [(0, 0, ())]  # (kept, worst, choice)
         for st in variant:
             nxt = [(k + st.saved[o], max(w, k + st.peak[o]), ch + (o,))
@@ -179,7 +179,7 @@ def min_peak(stages: Sequence[Stage]) -> Solution:
 
 def _min_peak_bisect(stages: Sequence[Stage]) -> Solution:
     """Lowest limit any choice fits (bisection on the exact DP), then the cheapest there."""
-    variants = [v for v, _ in _tied_variants(stages)]
+    variants = list(_tied_variants(stages))
     lo = 0
     hi = sum(max(st.saved) + st.split_extra for st in stages) + max(max(st.peak) + st.split_extra for st in stages)
     while lo < hi:

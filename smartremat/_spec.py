@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +25,20 @@ def is_traced(x: Any) -> bool:
     return _is_array(x) or isinstance(x, jax.core.Tracer)
 
 
+def scatter(leaves: Sequence[Any], at: Sequence[int], values: Sequence[Any]) -> list[Any]:
+    """A copy of `leaves` with `values[k]` put at position `at[k]` (e.g. the dynamic leaves back
+    among the static ones, or the differentiated ones among all)."""
+    full = list(leaves)
+    for i, x in zip(at, values):
+        full[i] = x
+    return full
+
+
 def merge_leaves(treedef: Any, static: tuple[tuple[int, Any], ...], dynamic: Any) -> Any:
     """The pytree of `treedef` from its static leaves `(index, value)` and the dynamic ones in order."""
-    stat, it = dict(static), iter(dynamic)
-    leaves = [stat[i] if i in stat else next(it) for i in range(treedef.num_leaves)]
+    stat = dict(static)
+    leaves = scatter([stat.get(i) for i in range(treedef.num_leaves)],
+                     [i for i in range(treedef.num_leaves) if i not in stat], dynamic)
     return jax.tree.unflatten(treedef, leaves)
 
 
@@ -87,7 +97,7 @@ class CallSpec:
         return f
 
 
-def make_spec(module: Any, args: tuple, kwargs: dict, *, top_level: bool = True) -> CallSpec:
+def make_spec(module: Any, args: tuple, kwargs: dict) -> CallSpec:
     """Record the abstract signature of `module(*args, **kwargs)` as seen right now.
 
     Leaves that are `BatchTracer`s of one `jax.vmap` are recorded with their whole batch.

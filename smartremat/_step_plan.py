@@ -28,7 +28,7 @@ class StepOptions:
     donate: str = "none"
 
 
-def joined_model(models: list[_planner.Model], labels: list[str]) -> _planner.Model:
+def joined_model(models: list[_planner.MemoryModel], labels: list[str]) -> _planner.MemoryModel:
     """The models of several module calls as one, in call order; paths start with the label of
     the argument each module came from (no prefix for a single call)."""
     if len(models) == 1:
@@ -44,10 +44,10 @@ def joined_model(models: list[_planner.Model], labels: list[str]) -> _planner.Mo
         profiles += model.profiles
         menus += model.menus
         fixed += model.fixed_bytes
-    return _planner.Model(tuple(calls), tuple(profiles), tuple(stages), fixed, tuple(owner), tuple(menus))
+    return _planner.MemoryModel(tuple(calls), tuple(profiles), tuple(stages), fixed, tuple(owner), tuple(menus))
 
 
-def split_assignment(model: _planner.Model, choice: tuple[int, ...], labels: list[str]) -> tuple:
+def split_assignment(model: _planner.MemoryModel, choice: tuple[int, ...], labels: list[str]) -> tuple:
     """One assignment per module call (paths relative to that module)."""
     assignment = _planner.assignment_of(model, choice)
     if len(labels) == 1:

@@ -151,14 +151,14 @@ def _compiled_one(call: Callable, spec: CallSpec, assignment: Assignment, loss: 
 
 
 def _assignment_key(assignment: Assignment) -> tuple:
-    return tuple((path, _policy_key(pol)) for path, pol in assignment)
+    return tuple((path, _option_key(option)) for path, option in assignment)
 
 
-def _policy_key(pol: Any) -> Any:
-    """A policy as a key part: itself if hashable, else compared by identity (and held, so its id
-    cannot be reused by another policy while the key lives)."""
+def _option_key(option: Any) -> Any:
+    """The option itself (options are values), or, if it holds an unhashable policy, the option
+    compared by identity (and held, so its id cannot be reused while the key lives)."""
     try:
-        hash(pol)
-        return pol
+        hash(option)
+        return option
     except TypeError:
-        return Identity(pol)
+        return Identity(option)

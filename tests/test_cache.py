@@ -27,7 +27,7 @@ class Unhashable:
     __hash__ = None
 
 
-@pytest.mark.parametrize("to_key", [_spec._hashable, _verify._policy_key], ids=["static_leaf", "policy"])
+@pytest.mark.parametrize("to_key", [_spec._hashable, _verify._option_key], ids=["static_leaf", "policy"])
 def test_a_freed_object_cannot_leave_a_key_that_a_new_one_at_its_address_hits(to_key):
     cache = _cache.KeyedCache()
     old = Unhashable()

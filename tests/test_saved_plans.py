@@ -10,6 +10,7 @@ import pytest
 
 import smartremat
 from smartremat import MB, _planner
+from smartremat._options import NO_REMAT
 from smartremat import smartremat as sr
 
 from tests.helpers import tree_allclose
@@ -86,6 +87,6 @@ def test_hand_edited_policy_must_agree_with_what_runs(saved, tmp_path):
     both = tmp_path / "both.json"
     both.write_text(json.dumps(edited))
     loaded = smartremat.load_plan(both)
-    assert loaded.policies[row["path"]] == "none" and dict(loaded.assignment)[tuple(map(tuple, entry[0]))] is None
+    assert loaded.policies[row["path"]] == "none" and dict(loaded.assignment)[tuple(map(tuple, entry[0]))] == NO_REMAT
     got = jax.grad(lambda m: jnp.mean(m(x) ** 2))(sr(budget_mb=1000, plan=loaded)(model)).module
     assert tree_allclose(got, jax.grad(lambda m: jnp.mean(m(x) ** 2))(model), rtol=1e-5)

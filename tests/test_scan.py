@@ -14,7 +14,8 @@ from smartremat._discover import discover
 from smartremat._spec import make_spec
 from smartremat._verify import compiled_step
 from smartremat._apply import run
-from smartremat._scan import Segments
+from smartremat._options import NO_REMAT, Segments
+from smartremat._policies import FULL_REMAT
 from smartremat._discover import subjaxprs
 
 from tests.helpers import tree_allclose
@@ -73,7 +74,7 @@ def test_scanned_plans_fit_the_compiler_and_keep_gradients(fraction):
     x = jax.random.normal(jax.random.key(2), (2, 32, 16))
     spec, where = make_spec(model, (x,), {}), (("attr", "layers"),)
     lo, hi = (compiled_step(type(model).__call__, spec, ((where, p),))[0]
-              for p in (jax.checkpoint_policies.nothing_saveable, None))
+              for p in (FULL_REMAT, NO_REMAT))
     budget = (lo + fraction * (hi - lo)) / 2**20
     wrapped = smartremat.smartremat(budget)(model)
     plan = smartremat.explain(wrapped, x)
@@ -152,7 +153,7 @@ def test_split_scan_keeps_dtypes_name_scopes_and_values():
     weakly typed (bf16 stays bf16) and the user's named scopes survive."""
     layers = eqx.filter_vmap(lambda k: Scaled(eqx.nn.Linear(8, 8, key=k, dtype=jnp.bfloat16)))(jax.random.split(jax.random.key(0), 4))
     model, x = ScaledStack(layers), jnp.ones(8, jnp.bfloat16)
-    pieces = Segments(((0, 2, jax.checkpoint_policies.nothing_saveable), (2, 4, None)))
+    pieces = Segments(((0, 2, FULL_REMAT), (2, 4, NO_REMAT)))
     split = lambda m, x, s: run(m, type(m).__call__, (((("attr", "layers"),), pieces),), (x, s), {})
     want, got = jax.jit(lambda m, x: m(x, 0.5))(model, x), jax.jit(lambda m, x: split(m, x, 0.5))(model, x)
     assert got.dtype == want.dtype == jnp.bfloat16 and bool(jnp.all(got == want))

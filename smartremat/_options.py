@@ -1,0 +1,188 @@
+"""A block's option: what smartremat may do with the block's call.
+
+One small abstract type, `Option`, with four kinds: `NoRemat` (the block left alone), `Policy` (the
+block's call under `jax.checkpoint` with one policy), `Nested` (the block left alone, its sub-blocks
+under their own options) and `Segments` (consecutive pieces of a scanned block under different
+options). Options are values: equal options compare and hash equal (so caches keyed on them hit),
+and two options are told apart by what they do, never by their display `name`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from ._discover import Path, path_str
+from ._render import short_name
+from ._spec import CallSpec
+
+Entry = tuple[Path, "Option"]
+
+
+class PolicyError(ValueError):
+    """A policy of `smartremat(policies=...)` raised when JAX called it."""
+
+
+class Option(abc.ABC):
+    """What smartremat may do with one block's call; a value (frozen, compared and hashed by
+    what it does), whose `name` is what plans show (`"none"` for no remat)."""
+
+    name: str
+
+    @abc.abstractmethod
+    def to_json(self) -> Any:
+        """This option as JSON (names, paths as lists); `from_json` reads it back."""
+
+    def apply(self, call: Callable) -> Callable:
+        """`call(module, *args, **kwargs)` run under this option (same signature)."""
+        return call
+
+    def profiled(self, spec: CallSpec, call: Callable) -> Callable:
+        """`f(*spec.dynamic)`: the block's call under this option, vmapped as `spec` records."""
+        return spec.function(self.apply(call))
+
+    def expand(self, path: Path) -> tuple[Entry, ...]:
+        """The `(path, option)` entries this option at `path` stands for in an assignment."""
+        return ((path, self),)
+
+    @property
+    def variants(self) -> tuple[Option, ...]:
+        """The distinct options this one runs (more than one: the pieces of a split scan)."""
+        return (self,)
+
+    def rows(self, label: str) -> tuple[tuple[str, int | None, Option], ...]:
+        """`(row label, calls or None for all of the block's, option)` per row a plan shows."""
+        return ((label, None, self),)
+
+
+@dataclass(frozen=True)
+class NoRemat(Option):
+    """The block left alone: no `jax.checkpoint`."""
+
+    @property
+    def name(self) -> str:
+        return "none"
+
+    def to_json(self) -> Any:
+        return self.name
+
+
+#: The one no-remat option (all `NoRemat()` are equal).
+NO_REMAT = NoRemat()
+
+
+@dataclass(frozen=True)
+class Policy(Option):
+    """The block's call under `jax.checkpoint(policy=fn)`, shown as `name` (unique in its menu).
+
+    A user's policy is `checked`: JAX calls this option, and an exception the policy raises
+    becomes a `PolicyError` naming it and the argument it came from (`argument`). One of JAX's
+    own policies is handed to JAX as it is (JAX may recognise it by type).
+    """
+
+    fn: Callable[..., Any]
+    name: str
+    checked: bool = False
+    argument: str = field(default="smartremat", compare=False)
+
+    @property
+    def jax_policy(self) -> Callable[..., Any]:
+        """What `jax.checkpoint(policy=...)` receives: `fn`, or this option when checked."""
+        return self if self.checked else self.fn
+
+    def __call__(self, prim: Any, *avals: Any, **params: Any) -> Any:
+        try:
+            return self.fn(prim, *avals, **params)
+        except Exception as e:
+            raise PolicyError(_policy_error(self, e, prim, avals)) from e
+
+    def apply(self, call: Callable) -> Callable:
+        return eqx.filter_checkpoint(call, policy=self.jax_policy)
+
+    def profiled(self, spec: CallSpec, call: Callable) -> Callable:
+        return spec.function(call, lambda f: jax.checkpoint(f, policy=self.jax_policy))
+
+    def to_json(self) -> Any:
+        return self.name
+
+
+def _policy_error(policy: Policy, e: Exception, prim: Any, avals: tuple) -> str:
+    shapes = ", ".join(str(getattr(a, "str_short", lambda: a)()) for a in avals)
+    return (
+        f"`{policy.argument}(policies=...)` holds the policy {policy.name!r} ({policy.fn!r:.80}), which "
+        f"raised {type(e).__name__}: {e} when JAX called it as `policy({prim}, {shapes}, **params)`. "
+        "A `jax.checkpoint` policy is called with each primitive of the block, its input avals "
+        "and its parameters, and returns whether to save that primitive's output (True) or "
+        "recompute it (False), e.g. `lambda prim, *avals, **params: prim is jax.lax.dot_general_p`. "
+        "Fix the policy, or remove it from `policies=`."
+    )
+
+
+@dataclass(frozen=True)
+class Nested(Option):
+    """The block itself not checkpointed, its sub-blocks at `children` (paths relative to the
+    block) under their options."""
+
+    children: tuple[Entry, ...]
+
+    @property
+    def name(self) -> str:
+        inner = ",".join(f"{path_str(p)}={short_name(o.name)}" for p, o in self.children)
+        return f"nested({inner})"
+
+    def apply(self, call: Callable) -> Callable:
+        from ._apply import run
+
+        children = self.children
+        return lambda module, *args, **kwargs: run(module, call, children, args, kwargs)
+
+    def expand(self, path: Path) -> tuple[Entry, ...]:
+        return tuple(e for child, o in self.children for e in o.expand(path + child))
+
+    def to_json(self) -> Any:
+        return {"nested": [[[list(step) for step in path], o.to_json()] for path, o in self.children]}
+
+
+@dataclass(frozen=True)
+class Segments(Option):
+    """Options for consecutive pieces of a scan: `((start, stop, option), ...)` over the scanned
+    axis (indices of the stacked layers), covering it in order. Run by splitting the scan of the
+    whole forward (`_scan.run_pieces`), not by `apply`."""
+
+    pieces: tuple[tuple[int, int, Option], ...]
+
+    @property
+    def name(self) -> str:
+        return ",".join(f"[{a}:{b}]={o.name}" for a, b, o in self.pieces)
+
+    @property
+    def variants(self) -> tuple[Option, ...]:
+        return tuple(dict.fromkeys(o for _, _, o in self.pieces))
+
+    def apply(self, call: Callable) -> Callable:
+        raise TypeError("a scan's pieces run by splitting the scan of the whole forward (`_scan.run_pieces`)")
+
+    def rows(self, label: str) -> tuple[tuple[str, int | None, Option], ...]:
+        return tuple((f"{label}[{a}:{b}]", b - a, o) for a, b, o in self.pieces)
+
+    def to_json(self) -> Any:
+        return {"segments": [[a, b, o.to_json()] for a, b, o in self.pieces]}
+
+
+def from_json(data: Any, named: Callable[[str], Option]) -> Option:
+    """The option `Option.to_json` wrote; `named` gives the option of a plain name."""
+    if isinstance(data, dict) and "segments" in data:
+        return Segments(tuple((int(a), int(b), from_json(o, named)) for a, b, o in data["segments"]))
+    if isinstance(data, dict) and "nested" in data:
+        return Nested(tuple((tuple(tuple(step) for step in path), from_json(o, named)) for path, o in data["nested"]))
+    return named(data)
+
+
+def expand(assignment: Sequence[Entry]) -> tuple[Entry, ...]:
+    """Every entry of `assignment` as the entries it stands for (nested options expanded)."""
+    return tuple(e for path, option in assignment for e in option.expand(path))
