@@ -75,12 +75,30 @@ def _check_policy(p: Any, option: str) -> None:
             "Each entry should be a callable from `jax.checkpoint_policies` (e.g. "
             "`jax.checkpoint_policies.nothing_saveable`) or `None` for no remat."
         )
-    if p is cp.save_anything_except_these_names:
+    itself = p is cp.save_anything_except_these_names
+    made_by = getattr(p, "__qualname__", "").startswith("save_anything_except_these_names.")
+    if itself and not _ignores_names():
         raise ValueError(
-            f"`{option}(policies=...)` holds `save_anything_except_these_names` itself; "
-            "call it with the names to exclude first, e.g. "
-            "`save_anything_except_these_names('attn')`."
+            f"`{option}(policies=...)` holds `save_anything_except_these_names` itself; call it with "
+            "the names to exclude first, e.g. `save_anything_except_these_names('attn')`."
         )
+    if (itself or made_by) and _ignores_names():
+        raise ValueError(
+            f"`{option}(policies=...)` holds `save_anything_except_these_names`, which in jax "
+            f"{jax.__version__} ignores the names it is given and saves everything: the same as no "
+            "remat, which is always on the menu. To save every named value but some, use "
+            "`jax.checkpoint_policies.save_any_names_but_these('attn', ...)`; to save only some, "
+            "`save_only_these_names(...)`."
+        )
+
+
+def _ignores_names() -> bool:
+    """Whether this JAX's `save_anything_except_these_names(name)` saves a value named `name`."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    eqn = jax.make_jaxpr(lambda x: checkpoint_name(x, "excluded"))(1.0).eqns[0]
+    policy = cp.save_anything_except_these_names("excluded")
+    return bool(policy(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params))
 
 
 def _menu(raw: Sequence[Callable[..., Any]], option: str = "smartremat") -> tuple[Option, ...]:

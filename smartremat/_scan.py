@@ -117,8 +117,8 @@ def _evaluate(closed, targets: dict, args: list) -> list:
 def _split_scan(eqn, pieces: list, invals: list) -> list:
     """The scan `eqn` as one scan per `(start, stop, body_eqn)` piece, in the scan's order.
 
-    Each piece scans over its iteration indices and reads its slice of every scanned operand
-    inside the body (as the original scan does), so no piece copies the stacked parameters.
+    Each piece is a `jax.lax.scan` over its own slice `xs[a:b]` of every scanned operand (the
+    stacked parameters among them), taken outside the body; the pieces' outputs are concatenated.
     """
     p = eqn.params
     nc, ncar = p["num_consts"], p["num_carry"]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import smartremat
+from smartremat import _policies
 from smartremat import smartremat as sr
 
 from tests.helpers import backward
@@ -66,6 +67,18 @@ def test_bad_policies():
         sr(budget_mb=1, policies=["dots"])
     with pytest.raises(TypeError, match=r"should be a sequence of `jax.checkpoint` policies"):
         sr(budget_mb=1, policies=jax.checkpoint_policies.dots_saveable)
+
+
+@pytest.mark.parametrize("made", [True, False], ids=["called", "itself"])
+def test_a_policy_that_ignores_its_names_is_refused(made):
+    cp = jax.checkpoint_policies
+    policy = cp.save_anything_except_these_names("attn") if made else cp.save_anything_except_these_names
+    if not _policies._ignores_names() and made:  # a JAX that honours the names: offered as it is
+        sr(budget_mb=1, policies=[policy])
+        return
+    with pytest.raises(ValueError, match=r"holds `save_anything_except_these_names`, which in jax \S+ "
+                       r"ignores the names .* use `jax.checkpoint_policies.save_any_names_but_these"):
+        sr(budget_mb=1, policies=[policy])
 
 
 @pytest.mark.parametrize("verify", [True, False])
