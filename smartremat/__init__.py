@@ -11,6 +11,6 @@ from ._plan import PolicyFigures as PolicyFigures
 from ._serialise import load_plan as load_plan
 from ._filter_jit import filter_jit as filter_jit
 
-smartremat.explain = explain  # `from smartremat import smartremat; smartremat.explain(...)`
+smartremat.explain = explain  # pyright: ignore[reportFunctionMemberAccess]  # `from smartremat import smartremat; smartremat.explain(...)`
 
 __version__ = "0.1.0"

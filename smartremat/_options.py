@@ -32,7 +32,9 @@ class Option(abc.ABC):
     """What smartremat may do with one block's call; a value (frozen, compared and hashed by
     what it does), whose `name` is what plans show (`"none"` for no remat)."""
 
-    name: str
+    @property
+    @abc.abstractmethod
+    def name(self) -> str: ...
 
     @abc.abstractmethod
     def to_json(self) -> Any:
@@ -78,7 +80,7 @@ NO_REMAT = NoRemat()
 
 @dataclass(frozen=True)
 class Policy(Option):
-    """The block's call under `jax.checkpoint(policy=fn)`, shown as `name` (unique in its menu).
+    """The block's call under `jax.checkpoint(policy=fn)`, shown as `label` (unique in its menu).
 
     A user's policy is `checked`: JAX calls this option, and an exception the policy raises
     becomes a `PolicyError` naming it and the argument it came from (`argument`). One of JAX's
@@ -86,9 +88,13 @@ class Policy(Option):
     """
 
     fn: Callable[..., Any]
-    name: str
+    label: str
     checked: bool = False
     argument: str = field(default="smartremat", compare=False)
+
+    @property
+    def name(self) -> str:
+        return self.label
 
     @property
     def jax_policy(self) -> Callable[..., Any]:
@@ -174,7 +180,7 @@ class Segments(Option):
         return {"segments": [[a, b, o.to_json()] for a, b, o in self.pieces]}
 
 
-def from_json(data: Any, named: Callable[[str], Option]) -> Option:
+def from_json(data: Any, named: Callable[[Any], Option]) -> Option:
     """The option `Option.to_json` wrote; `named` gives the option of a plain name."""
     if isinstance(data, dict) and "segments" in data:
         return Segments(tuple((int(a), int(b), from_json(o, named)) for a, b, o in data["segments"]))

@@ -141,7 +141,7 @@ def _menus(calls: tuple[BlockCall, ...], config: Config) -> tuple[tuple, ...]:
     return tuple(out)
 
 
-def _figures(opts: list, scanned: bool) -> tuple[tuple[int, ...], ...]:
+def _figures(opts: list, scanned: bool) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """`(saved, peak, cost)` per option. A scan stacks each iteration's residuals as the jaxpr
     has them (XLA cannot fuse them away across the loop), so a scanned stage keeps the jaxpr
     count, plus the compiler's transient for its own backward."""
@@ -216,6 +216,7 @@ def make_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Pl
             return infeasible(config, spec, floor, "compiled temp bytes of the training step")
 
         sol, compiled = verified(model, config, measure, error, sol or lowest, lowest)
+    assert sol is not None  # unverified, an unsolvable budget raised above
     plan = assemble(model, config, sol, lowest, compiled, time.perf_counter() - t0, signature(call, spec))
     if cpu_barrier_missing():
         warnings.warn("smartremat: " + CPU_NOTE + ".", stacklevel=2)

@@ -152,7 +152,11 @@ def compiled_temp(fn: Callable, spec: CallSpec | tuple) -> tuple[int, float]:
         compiled = jax.jit(fn).lower(*avals).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return int(compiled.memory_analysis().temp_size_in_bytes), float((cost or {}).get("flops", 0.0))
+    memory = compiled.memory_analysis()
+    if memory is None:
+        raise RuntimeError(f"smartremat: the {jax.default_backend()} backend gives no `memory_analysis()` "
+                           "of a compiled program, which smartremat measures blocks with.")
+    return int(memory.temp_size_in_bytes), float((cost or {}).get("flops", 0.0))
 
 
 def _chainable(f: Callable, spec: CallSpec, n_module: int) -> int | None:
@@ -246,7 +250,7 @@ def _left_alone(f_none: Callable, spec: CallSpec, why: str) -> BlockProfile:
     """A block smartremat cannot profile: its only option is no remat, counted as keeping nothing
     (the compiled step, not the model, then tells what it takes)."""
     forward = jaxpr_cost(jax.make_jaxpr(f_none)(*spec.dynamic))
-    none = PolicyProfile(NO_REMAT, 0, 0, 0, Cost(0.0, 0.0))
+    none = PolicyProfile(NO_REMAT, 0, 0, 0, Cost(0, 0))
     return BlockProfile(forward, (none,), (("every policy", why),))
 
 

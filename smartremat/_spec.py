@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+from jax.core import Tracer
 import numpy as np
 
 from . import _jax_private
@@ -22,7 +23,7 @@ def _is_array(x: Any) -> bool:
 
 def is_traced(x: Any) -> bool:
     """Whether a leaf is traced (an array, a `ShapeDtypeStruct` or a tracer) rather than static."""
-    return _is_array(x) or isinstance(x, jax.core.Tracer)
+    return _is_array(x) or isinstance(x, Tracer)
 
 
 def scatter(leaves: Sequence[Any], at: Sequence[int], values: Sequence[Any]) -> list[Any]:
@@ -157,7 +158,7 @@ def placed_sharding(aval: Any) -> jax.sharding.NamedSharding | None:
     traced value's sharding, so smartremat warns and plans as if it were replicated."""
     sharding = getattr(aval, "sharding", None)
     mesh = _mesh_of(sharding)
-    if mesh is None:
+    if mesh is None or sharding is None:
         return None
     types = tuple(mesh.axis_types)
     if not all(t == jax.sharding.AxisType.Explicit for t in types):

@@ -115,7 +115,7 @@ class UserLoss:
         return self.fn(out, *targets)
 
 
-def loss_step(f: Callable, spec: CallSpec, loss: Callable) -> tuple[Callable, tuple]:
+def loss_step(f: Callable, spec: CallSpec, loss: SquaredError | CrossEntropy) -> tuple[Callable, tuple]:
     """`(step, avals)`: `step(*dynamic, *targets)` is the gradient of `loss(f(...), *targets)`
     w.r.t. the module's floating leaves (its parameters); `avals` are its abstract inputs."""
     diff_idx, g = split_diff(f, spec, n_module_leaves(spec))
@@ -140,7 +140,8 @@ def compiled_step(call: Callable, spec: CallSpec, assignment: Assignment,
     return max(t for t, _ in figures), figures[0][1]
 
 
-def _compiled_one(call: Callable, spec: CallSpec, assignment: Assignment, loss: Callable) -> tuple[int, float]:
+def _compiled_one(call: Callable, spec: CallSpec, assignment: Assignment,
+                  loss: SquaredError | CrossEntropy) -> tuple[int, float]:
     key = (spec.key(), call, _assignment_key(assignment), loss, *environment_key())
 
     def make() -> tuple[int, float]:
