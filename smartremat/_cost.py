@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -32,7 +33,7 @@ class Cost:
         return Cost(self.flops * k, self.bytes * k)
 
 
-def _shard_shape(aval, shape: tuple) -> tuple:
+def _shard_shape(aval: Any, shape: tuple) -> tuple:
     sharding = getattr(aval, "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if sharding is None or mesh is None or getattr(mesh, "size", 1) <= 1:
@@ -43,7 +44,7 @@ def _shard_shape(aval, shape: tuple) -> tuple:
         return shape
 
 
-def aval_bytes(aval) -> int:
+def aval_bytes(aval: Any) -> int:
     """Bytes of one device's share of `aval` (its shard, when sharded over a mesh)."""
     shape = getattr(aval, "shape", None)
     dtype = getattr(aval, "dtype", None)
@@ -57,18 +58,18 @@ def aval_bytes(aval) -> int:
     return int(math.prod(shape)) * int(itemsize)
 
 
-def _size(aval) -> int:
+def _size(aval: Any) -> int:
     return int(math.prod(getattr(aval, "shape", ())))
 
 
-def _dot_flops(eqn) -> int:
+def _dot_flops(eqn: Any) -> int:  # a jcore.JaxprEqn, whose avals JAX does not type
     (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
     lhs = eqn.invars[0].aval.shape
     contract = math.prod(lhs[d] for d in lc)
     return 2 * _size(eqn.outvars[0].aval) * int(contract)
 
 
-def _conv_flops(eqn) -> int:
+def _conv_flops(eqn: Any) -> int:
     rhs = eqn.invars[1].aval.shape
     dn = eqn.params["dimension_numbers"]
     out_feature_dim = dn.rhs_spec[0]
@@ -76,7 +77,7 @@ def _conv_flops(eqn) -> int:
     return 2 * _size(eqn.outvars[0].aval) * int(per_output)
 
 
-def _sub_jaxprs(eqn) -> list[tuple[Any, Any]]:
+def _sub_jaxprs(eqn: jcore.JaxprEqn) -> list[tuple[Any, Any]]:
     """(jaxpr, multiplicity) pairs for equations that hold other jaxprs; a `cond` gives
     `("max", branches)`: it costs its costliest branch."""
     p = eqn.params
@@ -94,11 +95,11 @@ def _sub_jaxprs(eqn) -> list[tuple[Any, Any]]:
     return subs
 
 
-def _as_jaxpr(j):
+def _as_jaxpr(j: Any) -> Any:
     return j.jaxpr if hasattr(j, "jaxpr") and not isinstance(j, jcore.Jaxpr) else j
 
 
-def jaxpr_cost(jaxpr) -> Cost:
+def jaxpr_cost(jaxpr: jcore.Jaxpr | jcore.ClosedJaxpr) -> Cost:
     """Total FLOPs and bytes of a (closed) jaxpr, descending into calls, scans and remat."""
     total = Cost()
     for eqn in _as_jaxpr(jaxpr).eqns:
@@ -115,7 +116,7 @@ def jaxpr_cost(jaxpr) -> Cost:
     return total
 
 
-def eqn_cost(eqn) -> Cost:
+def eqn_cost(eqn: jcore.JaxprEqn) -> Cost:
     """FLOPs and bytes of one primitive equation (no sub-jaxprs)."""
     nbytes = sum(aval_bytes(v.aval) for v in eqn.invars if hasattr(v, "aval"))
     nbytes += sum(aval_bytes(v.aval) for v in eqn.outvars)
@@ -150,6 +151,6 @@ _MOVEMENT = frozenset(
 )
 
 
-def function_cost(fn, *args) -> Cost:
+def function_cost(fn: Callable, *args: Any) -> Cost:
     """Cost of `fn(*args)` traced abstractly with `jax.make_jaxpr`."""
     return jaxpr_cost(jax.make_jaxpr(fn)(*args))

@@ -124,7 +124,7 @@ def _losses(loss: Callable | None, loss_args: Any, name: str) -> tuple:
     return (UserLoss(loss, loss_args),)
 
 
-def planned_call(module: Any, call: Callable, config: _planner.Config, args: tuple, kwargs: dict):
+def planned_call(module: Any, call: Callable, config: _planner.Config, args: tuple, kwargs: dict) -> Any:
     """Plan (once per signature) and run `call(module, *args, **kwargs)` under the plan."""
     if _intercept.in_root_call():  # inside a module `smartremat.filter_jit` plans: its plan covers this one
         return call(module, *args, **kwargs)
@@ -179,7 +179,7 @@ def _decorate_class(cls: type, config: _planner.Config) -> type:
     original = cls.__call__
 
     @functools.wraps(original)
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return planned_call(self, original, config, args, kwargs)
 
     cls.__call__ = __call__

@@ -11,6 +11,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+from jax.extend import core as jcore
 
 from . import _intercept
 from ._cost import aval_bytes
@@ -150,11 +151,11 @@ _PROBE_SCOPE = "smartremat_probe_"
 _LOOPS = ("scan", "while")
 
 
-def _serials(eqn) -> set[int]:
+def _serials(eqn: jcore.JaxprEqn) -> set[int]:
     return {int(s) for s in re.findall(_PROBE_SCOPE + r"(\d+)", str(getattr(eqn.source_info, "name_stack", "")))}
 
 
-def _contexts(jaxpr, ctx: tuple = ()) -> Iterator[tuple[int, tuple]]:
+def _contexts(jaxpr: jcore.Jaxpr, ctx: tuple = ()) -> Iterator[tuple[int, tuple]]:
     """`(serial, enclosing)` for every probed call's equations; `enclosing` lists the
     `(top-level index, equation)` of each equation holding a sub-jaxpr around it."""
     for k, eqn in enumerate(jaxpr.eqns):
@@ -164,7 +165,7 @@ def _contexts(jaxpr, ctx: tuple = ()) -> Iterator[tuple[int, tuple]]:
             yield from _contexts(sub, ctx + ((k, eqn),))
 
 
-def subjaxprs(eqn):
+def subjaxprs(eqn: jcore.JaxprEqn) -> Iterator[jcore.Jaxpr]:
     for v in eqn.params.values():
         for item in (v if isinstance(v, (list, tuple)) else [v]):
             j = getattr(item, "jaxpr", item)
@@ -172,7 +173,7 @@ def subjaxprs(eqn):
                 yield j
 
 
-def _sites(jaxpr) -> dict[int, ScanSite | None | str]:
+def _sites(jaxpr: jcore.Jaxpr) -> dict[int, ScanSite | None | str]:
     """Per probed call: `None` (runs once), a `ScanSite`, or a string saying why it cannot be planned."""
     out: dict[int, ScanSite | None | str] = {}
     for serial, ctx in _contexts(jaxpr):
@@ -215,7 +216,7 @@ def discover(
         with jax.named_scope(f"{_PROBE_SCOPE}{serial}"):
             return own(sub, *args, **kwargs)
 
-    def probed(m, *args, **kwargs):  # the traced copies of the sub-modules are watched, not replaced
+    def probed(m: Any, *args: Any, **kwargs: Any) -> Any:  # the traced copies of the sub-modules are watched, not replaced
         with _intercept.routing(m, paths, record):
             return call(m, *args, **kwargs)
 

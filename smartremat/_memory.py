@@ -37,7 +37,7 @@ class Stage:
     segments: int = 1
     split_extra: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not (len(self.saved) == len(self.peak) == len(self.cost) > 0):
             raise ValueError("a Stage needs the same number (>0) of saved, peak and cost entries")
         if min(self.cost) < 0:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._options import Option
+    from ._solve import Stage
 
 MB = 2**20  #: smartremat's megabyte: `budget_mb=1` means 2**20 bytes.
 
@@ -69,8 +73,8 @@ class Plan:
     planning_seconds: float = 0.0
     backend: str = ""
     notes: tuple[str, ...] = ()
-    assignment: Any = field(default=(), compare=False, repr=False)
-    stages: Any = field(default=(), compare=False, repr=False)
+    assignment: tuple[tuple[tuple[Any, ...], Option], ...] = field(default=(), compare=False, repr=False)
+    stages: tuple[Stage, ...] = field(default=(), compare=False, repr=False)
     menu: tuple[str, ...] = field(default=(), compare=False, repr=False)
     signature: str = ""
 

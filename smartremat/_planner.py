@@ -8,7 +8,7 @@ import os
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,7 +153,8 @@ def _figures(opts: list, scanned: bool) -> tuple[tuple[int, ...], tuple[int, ...
     return saved, peak, tuple(o.recompute.flops for o in opts)
 
 
-def _fixed_bytes(call, spec, calls, profiles, config) -> int:
+def _fixed_bytes(call: Callable, spec: CallSpec, calls: Sequence[BlockCall], profiles: Sequence[BlockProfile],
+                 config: Config) -> int:
     """Residuals of the work outside blocks (embedding, head, ...), held for the whole pass."""
     if len(calls) == 1 and calls[0].path == ():
         return 0
@@ -209,10 +210,10 @@ def make_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Pl
         raise infeasible(config, spec, lowest.peak + fixed, "predicted by smartremat's model")
     compiled = None
     if config.verify:
-        def measure(choice):
+        def measure(choice: tuple[int, ...]) -> tuple[int, float]:
             return compiled_step(call, spec, assignment_of(model, choice), config.losses)
 
-        def error(floor):
+        def error(floor: int) -> ValueError:
             return infeasible(config, spec, floor, "compiled temp bytes of the training step")
 
         sol, compiled = verified(model, config, measure, error, sol or lowest, lowest)
@@ -334,7 +335,8 @@ def _full_remat(menu: tuple[Option, ...]) -> Option:
     return FULL_REMAT if FULL_REMAT in menu else menu[-1]
 
 
-def assemble(model: MemoryModel, config: Config, sol: Solution, lowest: Solution, compiled, seconds,
+def assemble(model: MemoryModel, config: Config, sol: Solution, lowest: Solution,
+             compiled: tuple[int, float] | None, seconds: float,
               sig: str) -> Plan:
     stages, fixed = model.stages, model.fixed_bytes
     return Plan(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -82,12 +82,12 @@ def _loss(out: Any) -> jax.Array:
     return sum((jnp.sum(x.astype(jnp.float32)) for x in leaves), jnp.float32(0))
 
 
-def split_diff(f: Callable, spec: CallSpec, first_n: int | None = None):
+def split_diff(f: Callable, spec: CallSpec, first_n: int | None = None) -> tuple[list[int], Callable]:
     """`(diff_idx, g)` with `g(diff_leaves, all_leaves)` calling `f` with `diff` substituted."""
     n = len(spec.dynamic) if first_n is None else first_n
     diff_idx = [i for i, d in enumerate(spec.dynamic[:n]) if _is_float(d)]
 
-    def g(diff, dyn):
+    def g(diff: Sequence[Any], dyn: Sequence[Any]) -> Any:
         return f(*scatter(dyn, diff_idx, diff))
 
     return diff_idx, g
@@ -101,7 +101,7 @@ def grad_step(f: Callable, spec: CallSpec) -> Callable:
     """
     diff_idx, g = split_diff(f, spec)
 
-    def step(*dyn):
+    def step(*dyn: Any) -> Any:
         return jax.grad(lambda d: _loss(g(d, dyn)))([dyn[i] for i in diff_idx])
 
     return step
@@ -111,7 +111,7 @@ def _residuals(f: Callable, spec: CallSpec, n_module: int) -> tuple[int, int, tu
     """(internal residual bytes, saved-argument bytes, signature) of `f`'s VJP."""
     diff_idx, g = split_diff(f, spec)
 
-    def res(*dyn):
+    def res(*dyn: Any) -> Callable:
         return jax.vjp(lambda *d: g(d, dyn), *[dyn[i] for i in diff_idx])[1]
 
     closed = jax.make_jaxpr(res)(*spec.dynamic)
@@ -132,7 +132,7 @@ def _residuals(f: Callable, spec: CallSpec, n_module: int) -> tuple[int, int, tu
     return internal, args, tuple(sorted(sig, key=repr))
 
 
-def mesh_context(avals) -> contextlib.AbstractContextManager:
+def mesh_context(avals: Sequence[Any]) -> contextlib.AbstractContextManager:
     """`jax.set_mesh` of the mesh the avals are sharded over, so code naming `PartitionSpec`s
     (e.g. `out_sharding=P(...)`) traces in compile threads too, which do not inherit the
     caller's mesh context. A no-op for single-device avals or where a mesh cannot be set."""
@@ -214,7 +214,8 @@ def _profile_uncached(spec: CallSpec, call: Callable, menu: tuple, calibrate: bo
     return BlockProfile(forward, tuple(options), tuple(skipped))
 
 
-def _measure(spec: CallSpec, call: Callable, menu: tuple, base: Cost):
+def _measure(spec: CallSpec, call: Callable, menu: tuple, base: Cost,
+             ) -> tuple[list[_Measured], list[list[Option]], list[tuple[str, str]]]:
     """`(measured, merged, skipped)`: each option's `_Measured` (no remat first), the options merged
     into each (same residuals), and `(option name, why)` for options that failed for the block."""
     n_module = n_module_leaves(spec)
@@ -259,7 +260,8 @@ def _transient(none: _Measured) -> int:
     return none.internal
 
 
-def _calibration(raw: list[_Measured], spec: CallSpec, n_module: int, calibrate: bool):
+def _calibration(raw: list[_Measured], spec: CallSpec, n_module: int,
+                 calibrate: bool) -> tuple[Sequence[int] | None, Sequence[int | None] | None]:
     """Ask the compiler for each option's own peak and kept bytes.
 
     Returns `(peaks, saved)`, or `(None, None)` when not calibrating. `peaks[j]` is the compiled
@@ -284,20 +286,20 @@ def _calibration(raw: list[_Measured], spec: CallSpec, n_module: int, calibrate:
     return peaks, saved
 
 
-def _chain_job(f: Callable, g: Callable, spec: CallSpec, n_module: int, chain_at: int):
+def _chain_job(f: Callable, g: Callable, spec: CallSpec, n_module: int, chain_at: int) -> tuple[Callable, tuple]:
     """Gradient step of `f` then `g` (two copies of the block), each with its own parameters."""
     n = len(spec.dynamic)
     avals = spec.dynamic + spec.dynamic[:n_module]
     diff_idx = [i for i, d in enumerate(avals) if _is_float(d)]
 
-    def loss(leaves):
+    def loss(leaves: Sequence[Any]) -> jax.Array:
         first = leaves[:n]
         second = list(leaves[n:]) + list(first[n_module:])
         second[chain_at] = f(*first)
         return _loss(g(*second))
 
-    def step(*leaves):
-        def of_diff(d):
+    def step(*leaves: Any) -> Any:
+        def of_diff(d: list[Any]) -> jax.Array:
             return loss(scatter(leaves, diff_idx, d))
 
         return jax.grad(of_diff)([leaves[i] for i in diff_idx])

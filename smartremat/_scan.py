@@ -42,7 +42,7 @@ def run_pieces(module: Any, call: Callable, assignment: tuple, args: tuple, kwar
             ps = pol.variants
             chosen[i] = (path, ps[min(r, len(ps) - 1)])
 
-        def f(*dyn):
+        def f(*dyn: Any) -> Any:
             m, a, k = jax.tree.unflatten(treedef, scatter(leaves, dyn_at, dyn))
             tags = {path: f"{_TAG}{t}" for t, (_, path, _) in enumerate(segs)}
             return plain_run(m, call, tuple(chosen), a, k, tags)
@@ -62,7 +62,7 @@ def run_pieces(module: Any, call: Callable, assignment: tuple, args: tuple, kwar
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
-def _tagged(jaxpr, tag: int) -> bool:
+def _tagged(jaxpr: jcore.Jaxpr, tag: int) -> bool:
     pattern = re.compile(rf"{_TAG}{tag}(?!\d)")
     for eqn in jaxpr.eqns:
         if pattern.search(str(getattr(eqn.source_info, "name_stack", ""))):
@@ -72,7 +72,7 @@ def _tagged(jaxpr, tag: int) -> bool:
     return False
 
 
-def _find_scan(jaxpr, tag: int) -> int:
+def _find_scan(jaxpr: jcore.Jaxpr, tag: int) -> int:
     for k, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive.name == "scan" and _tagged(eqn.params["jaxpr"].jaxpr, tag):
             return k
@@ -83,9 +83,9 @@ def _find_scan(jaxpr, tag: int) -> int:
     )
 
 
-def _body_at(jaxpr, tag: int, base):
+def _body_at(jaxpr: jcore.Jaxpr, tag: int, base: Any) -> Any:  # equations (avals untyped)
     """The marked scan of another policy's trace, checked to take the same operands as `base`."""
-    eqn = jaxpr.eqns[_find_scan(jaxpr, tag)]
+    eqn: Any = jaxpr.eqns[_find_scan(jaxpr, tag)]
     same = [(v.aval.shape, v.aval.dtype) for v in eqn.invars] == [(v.aval.shape, v.aval.dtype) for v in base.invars]
     if not same or eqn.params["num_consts"] != base.params["num_consts"]:
         raise RuntimeError(
@@ -94,7 +94,7 @@ def _body_at(jaxpr, tag: int, base):
     return eqn
 
 
-def _evaluate(closed, targets: dict, args: list) -> list:
+def _evaluate(closed: jcore.ClosedJaxpr, targets: dict, args: list) -> list:
     """Evaluate `closed` equation by equation, splitting the scans in `targets`."""
     env: dict = {}
     read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
@@ -114,7 +114,7 @@ def _evaluate(closed, targets: dict, args: list) -> list:
     return [read(v) for v in closed.jaxpr.outvars]
 
 
-def _split_scan(eqn, pieces: list, invals: list) -> list:
+def _split_scan(eqn: jcore.JaxprEqn, pieces: list, invals: list) -> list:
     """The scan `eqn` as one scan per `(start, stop, body_eqn)` piece, in the scan's order.
 
     Each piece is a `jax.lax.scan` over its own slice `xs[a:b]` of every scanned operand (the
@@ -127,7 +127,7 @@ def _split_scan(eqn, pieces: list, invals: list) -> list:
     for a, b, body_eqn in (reversed(pieces) if p["reverse"] else pieces):
         fn = jcore.jaxpr_as_fun(body_eqn.params["jaxpr"])
 
-        def step(c, x, fn=fn):
+        def step(c: list, x: list, fn: Callable = fn) -> tuple[list, list]:
             out = fn(*consts, *c, *x)
             return list(out[:ncar]), list(out[ncar:])
 

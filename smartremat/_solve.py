@@ -9,7 +9,7 @@ result is exact; `tests/test_solve.py` checks it against brute force.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +26,7 @@ class Solution:
     cost: int
 
 
-def _tied_variants(stages: Sequence[Stage]):
+def _tied_variants(stages: Sequence[Stage]) -> Iterator[list[Stage]]:
     """Stage lists with each multiply-called block fixed to one option (all combinations)."""
     groups: dict[int, list[int]] = {}
     for i, st in enumerate(stages):
@@ -86,7 +86,8 @@ def _solve_free(stages: Sequence[Stage], limit: int, cap: int | None = None) -> 
     return Solution(tuple(choice), peak_of(stages, choice), cost_of(stages, choice))
 
 
-def _expand(st: Stage, o: int, state: tuple, cont: bool, start_mode: int, limit: int, cap: int | None):
+def _expand(st: Stage, o: int, state: tuple, cont: bool, start_mode: int, limit: int,
+            cap: int | None) -> tuple[np.ndarray, ...]:
     """The states reached from every current state by taking option `o` at stage `st`."""
     kept, cost, prev, segs, mode = state
     if st.run is None:

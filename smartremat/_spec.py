@@ -88,7 +88,7 @@ class CallSpec:
         the vmap, exactly as the decorated module's forward does under the user's vmap.
         """
 
-        def per_example(*dynamic):
+        def per_example(*dynamic: Any) -> Any:
             module, args, kwargs = self.rebuild(dynamic)
             return fn(module, *args, **kwargs)
 

@@ -184,7 +184,7 @@ def traced(fun: Callable, sig: Signature, context: Callable[..., _intercept.Step
     """`f(*dynamic)`: the step on the rebuilt arguments, its module calls handed to
     `context(args, kwargs)`; returns the array part of the output (the rest goes to `box`)."""
 
-    def f(*dynamic):
+    def f(*dynamic: Any) -> Any:
         args, kwargs = sig.rebuild(dynamic)
         box.context = context(args, kwargs)
         with _intercept.active(box.context):
@@ -201,13 +201,13 @@ def record(fun: Callable, sig: Signature, roots: list[tuple[str, Any]]) -> list[
     seen: dict = {}
     owners: dict[int, str] = {}
 
-    def on_root(module, call, args, kwargs):
+    def on_root(module: Any, call: Callable, args: tuple, kwargs: dict) -> Any:
         label = _label(module, owners, roots, seen)
         module, call = _root_of(module, call)
         calls.append(RootCall(label, call, make_spec(module, args, kwargs)))
         return call(module, *args, **kwargs)
 
-    def context(args, kwargs):  # the traced arguments: which input arrays belong to which module
+    def context(args: tuple, kwargs: dict) -> _intercept.StepContext:  # the traced arguments: which input arrays belong to which module
         owners.clear()
         for name, m in root_modules(fun, args, kwargs):
             owners.update({id(x): name for x in jax.tree.leaves(m) if isinstance(x, Tracer)})
@@ -229,7 +229,7 @@ def applying(classes: frozenset, assignments: tuple) -> Callable[[], _intercept.
     def make(*_: Any) -> _intercept.StepContext:
         count = [0]
 
-        def on_root(module, call, args, kwargs):
+        def on_root(module: Any, call: Callable, args: tuple, kwargs: dict) -> Any:
             k = count[0]
             count[0] += 1
             if k >= len(assignments):

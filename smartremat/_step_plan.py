@@ -110,7 +110,7 @@ def plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], confi
 
     name = "smartremat.filter_jit"
 
-    def measure(choice):
+    def measure(choice: tuple[int, ...]) -> tuple[int, float]:
         f = step_figures(fun, sig, (classes, split_assignment(model, choice, labels)), options.donate)
         return f.temp, f.flops
 

@@ -124,7 +124,7 @@ def loss_step(f: Callable, spec: CallSpec, loss: SquaredError | CrossEntropy) ->
     extra, treedef = jax.tree.flatten(loss.targets(out))
     n = len(spec.dynamic)
 
-    def step(*leaves):
+    def step(*leaves: Any) -> Any:
         dyn, t = leaves[:n], jax.tree.unflatten(treedef, leaves[n:])
         return jax.grad(lambda d: loss(g(d, dyn), *t))([dyn[i] for i in diff_idx])
 
