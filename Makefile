@@ -27,11 +27,13 @@ demo: $(BIN)/activate
 	XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander $(BIN)/python examples/demo.py
 	$(BIN)/python benchmarks/run.py --quick --out results
 
-# The whole test suite on the dev environment (tests/conftest.py sets the CPU barrier flag before
-# JAX starts), a strict build of the docs (broken links or API pages fail it), then the tests that
-# reach JAX internals on the oldest versions the package declares.
+# The whole test suite on the dev environment, two workers (tests/conftest.py sets the CPU barrier
+# flag before JAX starts), the type check (pyright, pyproject.toml), a strict build of the docs
+# (broken links or API pages fail it), and the tests that reach JAX internals on the oldest
+# versions the package declares.
 test: $(BIN)/activate test-oldest
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 tests
+	$(BIN)/pyright
 	$(BIN)/mkdocs build --strict --quiet -d .site
 
 test-oldest: $(OLDEST)/bin/activate

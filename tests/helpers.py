@@ -41,3 +41,23 @@ def backward(model: Any, *args: Any) -> Any:
     import jax.numpy as jnp
 
     return eqx.filter_grad(lambda m: jnp.mean(jnp.square(m(*args))))(model)
+
+
+def in_threads(work: Any, n: int) -> list[BaseException]:
+    """Run `work(i)` for i < n in n threads at once; the exceptions they raised."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as e:  # surfaced to the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors

@@ -15,6 +15,7 @@ import smartremat
 from smartremat import _cache, _planner, _profile, _spec, _step, _verify
 from smartremat import smartremat as sr
 
+from tests.helpers import in_threads
 from tests.models import MLPStack
 
 
@@ -79,20 +80,12 @@ def test_eviction_from_many_threads_keeps_the_bound_and_the_values():
 
     def work(seed):
         rng = random.Random(seed)
-        try:
-            for _ in range(500):
-                k = rng.randrange(32)
-                if cache.get(k, lambda: ("v", k)) != ("v", k):
-                    errors.append(k)
-        except Exception as e:  # surfaced below
-            errors.append(e)
+        for _ in range(500):
+            k = rng.randrange(32)
+            if cache.get(k, lambda: ("v", k)) != ("v", k):
+                errors.append(k)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == [] and len(cache) == 8
+    assert in_threads(work, 8) == [] and errors == [] and len(cache) == 8
 
 
 @pytest.mark.parametrize("n_threads", [2, 8])

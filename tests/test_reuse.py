@@ -1,7 +1,6 @@
 """Serialisation and reuse: eqx serialisation, optax, saved plans, planning from two threads."""
 
 import io
-import threading
 
 import equinox as eqx
 import jax
@@ -13,7 +12,7 @@ import smartremat
 from smartremat import _planner
 from smartremat import smartremat as sr
 
-from tests.helpers import backward, tree_allclose
+from tests.helpers import backward, in_threads, tree_allclose
 from tests.models import MLPStack
 
 
@@ -77,17 +76,9 @@ def test_two_threads_plan_once_and_agree(monkeypatch):
     smartremat.clear_caches()
     made, make_plan = [], _planner.make_plan
     monkeypatch.setattr(_planner, "make_plan", lambda *a: made.append(1) or make_plan(*a))
-    plans, errors = [None, None], []
+    plans = [None, None]
 
     def work(i):
-        try:
-            plans[i] = smartremat.explain(sr(budget_mb=0.3)(model), x)
-        except Exception as e:  # surfaced below
-            errors.append(e)
+        plans[i] = smartremat.explain(sr(budget_mb=0.3)(model), x)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors and len(made) == 1 and plans[0] is plans[1]
+    assert in_threads(work, 2) == [] and len(made) == 1 and plans[0] is plans[1]
