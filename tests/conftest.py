@@ -38,3 +38,18 @@ def fit_log():
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
+
+
+@pytest.fixture
+def standard_promotion():
+    """Standard dtype promotion for a test whose third-party code needs it under strict promotion:
+    Equinox's `BatchNorm(mode="batch")` in inference (`momentum ** counter`, a Python float to an
+    int32 power, Equinox 0.13.8) and optax's Adam bias correction (`decay ** count`, optax 0.2.8).
+    Set globally, not by JAX's thread-local context manager, as smartremat profiles in worker
+    threads."""
+    import jax
+
+    before = jax.config.jax_numpy_dtype_promotion
+    jax.config.update("jax_numpy_dtype_promotion", "standard")
+    yield
+    jax.config.update("jax_numpy_dtype_promotion", before)

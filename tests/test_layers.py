@@ -191,18 +191,6 @@ def plan_of(wrapped, case: Case, args) -> smartremat.Plan:
     return plans[0]
 
 
-@pytest.fixture
-def standard_promotion():
-    """Equinox's own `BatchNorm(mode="batch")` in inference computes `momentum ** counter` (a Python
-    float to an int32 power), which strict dtype promotion refuses (Equinox 0.13.8): such a case
-    runs under standard promotion. Set globally, not by JAX's thread-local context manager, as
-    smartremat profiles in worker threads."""
-    before = jax.config.jax_numpy_dtype_promotion
-    jax.config.update("jax_numpy_dtype_promotion", "standard")
-    yield
-    jax.config.update("jax_numpy_dtype_promotion", before)
-
-
 @pytest.mark.parametrize("name", [
     *[n for n in CASES if n != "batchnorm"],
     "batchnorm",

@@ -30,6 +30,7 @@ def test_decorated_model_round_trips_through_eqx_serialisation():
     assert type(loaded) is Stack and tree_allclose(loaded, model, rtol=0)
 
 
+@pytest.mark.usefixtures("standard_promotion")  # optax's own `decay ** count`
 def test_optax_adamw_trains_a_decorated_model():
     model = Stack(3, 64, 1024, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (16, 64))

@@ -71,7 +71,7 @@ class Complex(eqx.Module):
     w: jax.Array
 
     def __call__(self, x):
-        z = x.astype(jnp.complex64) @ (self.w + 1j * self.w)
+        z = x.astype(jnp.complex64) @ (self.w.astype(jnp.complex64) * (1 + 1j))
         return jnp.real(z * jnp.conj(z)) @ self.w.T
 
 
