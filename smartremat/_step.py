@@ -57,7 +57,8 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
     if isinstance(x, Tracer):
         return abstract(x)
     if isinstance(x, jax.Array):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+        # typed PRNG keys (`jax.random.key`) have no `weak_type`
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=getattr(x, "weak_type", False))
     return jax.ShapeDtypeStruct(np.shape(x), np.result_type(x))
 
 

@@ -214,3 +214,18 @@ def test_loss_args_as_a_dict_keep_their_structure():
     loss = lambda out, t: jnp.mean((out - t["y"]) ** 2)  # noqa: E731
     wrapped = smartremat.smartremat(budget_mb=100, loss=loss, loss_args={"y": y})(model)
     assert smartremat.explain(wrapped, x).compiled_peak_bytes is not None
+
+
+def test_typed_prng_keys_among_the_step_arguments():
+    """`jax.random.key` arrays (typed keys, e.g. one dropout key per example) are step arguments
+    like any other: planned on, then the planned step runs and equals the plain one."""
+    model, _, x, y = _setup()
+    keys = jax.random.split(jax.random.key(2), x.shape[0])
+
+    def noisy(model, x, y, keys):
+        noise = jax.vmap(lambda k: jax.random.normal(k, x.shape[1:]))(keys)
+        return grads(model, x + 0.01 * noise, y)
+
+    planned = smartremat.filter_jit(noisy, budget_mb=100)
+    assert set(planned.plan(model, x, y, keys).policies) == {f"layers[{i}]" for i in range(3)}
+    assert tree_allclose(planned(model, x, y, keys), eqx.filter_jit(noisy)(model, x, y, keys), rtol=1e-6)
