@@ -1,6 +1,15 @@
-"""Planning time: profile + solve (no compile) for a 24-layer transformer, and the solver alone.
+"""Planning time: first-call planning of the benchmark models against their plain compile, with
+the disk cache in a second process; profile + solve (no compile) for a 24-layer transformer; the
+solver alone.
 
-    python benchmarks/planning_time.py [--layers 24] [--repeat 3]
+    python benchmarks/planning_time.py [--models tutorial_block tutorial gpt resnet] [--layers 24] [--repeat 3]
+
+First call (per quick benchmark model, `benchmarks/run.py --quick` sizes): the plain training
+step's compile time; smartremat's first-call planning at the budget halfway between full remat's
+and no remat's compiled temp bytes, verified on the benchmark's loss (`loss=`), with empty caches
+and the disk cache off; its whole-step compiles; the model error |predicted - compiled| /
+compiled of the uniform plans and the chosen plan; and the planning time of a second process that
+reads the plan from the disk cache written by a first.
 
 The model is built with `eqx.filter_eval_shape`, so no parameter memory is allocated: the
 whole plan is made on abstract values. `calibrate=False, verify=False` is the compile-free
@@ -10,9 +19,12 @@ planner; `calibrate=True` adds one small compile per distinct block and policy.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,8 +38,54 @@ import smartremat
 
 from smartremat._memory import Stage
 from smartremat._solve import solve
+from benchmarks.common import compile_step, exact, strategy
 from benchmarks.fit_report import Stack
 from benchmarks.models import GPTBlock
+from benchmarks.run import build
+
+MB = smartremat.MB
+MENU_NAME = {"none": "none", "dots": "dots_saveable", "dots_nb": "dots_with_no_batch_dims_saveable",
+             "full": "nothing_saveable"}
+
+
+def _planned(name: str, budget_mb: float) -> tuple[float, smartremat.Plan]:
+    """`(seconds, plan)` of planning the quick model `name` at `budget_mb` in this process."""
+    case = build(name, "quick")
+    wrapped = smartremat.smartremat(budget_mb=budget_mb, **exact(case.model, case.x))(case.model)
+    t0 = time.perf_counter()
+    plan = smartremat.explain(wrapped, case.x)
+    return time.perf_counter() - t0, plan
+
+
+def second_process(name: str, budget_mb: float) -> tuple[float, int]:
+    """Plan in one process with the disk cache on (a fresh folder), then time a second's plan."""
+    with tempfile.TemporaryDirectory() as folder:
+        env = {**os.environ, "SMARTREMAT_DISK_CACHE": "1", "SMARTREMAT_CACHE_DIR": folder}
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", name, str(budget_mb)]
+        out = [subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout for _ in range(2)]
+    seconds, compiles = json.loads(out[1].strip().splitlines()[-1])
+    return seconds, compiles
+
+
+def first_call(name: str) -> dict:
+    """The first-call figures of one quick benchmark model (see the module docstring)."""
+    case = build(name, "quick")
+    t0 = time.perf_counter()
+    compile_step(case.model, case.x)
+    plain = time.perf_counter() - t0
+    temps = {p: compile_step(strategy(case.model, p, case.where), case.x)[2] for p in MENU_NAME}
+    budget_mb = (temps["none"] + temps["full"]) / 2 / MB
+    smartremat.clear_caches()
+    os.environ["SMARTREMAT_DISK_CACHE"] = "0"
+    seconds, plan = _planned(name, budget_mb)
+    predicted = {p: plan.uniform()[MENU_NAME[p]][0] * MB for p in MENU_NAME}
+    errors = [abs(predicted[p] - temps[p]) / temps[p] for p in MENU_NAME]
+    errors.append(abs(plan.predicted_peak_bytes - plan.compiled_peak_bytes) / plan.compiled_peak_bytes)
+    again, again_compiles = second_process(name, budget_mb)
+    return {"model": name, "plain_compile_s": plain, "budget_mb": budget_mb, "planning_s": seconds,
+            "ratio": seconds / plain, "compiles": plan.compiles, "model_error_median": statistics.median(errors),
+            "model_error_max": max(errors), "second_process_s": again, "second_process_compiles": again_compiles,
+            "fits": plan.compiled_peak_bytes <= plan.budget_bytes}
 
 
 def plan_time(layers: int, calibrate: bool) -> tuple[float, smartremat.Plan]:
@@ -50,10 +108,23 @@ def solve_time(n: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="*", default=["tutorial_block", "tutorial", "gpt", "resnet"])
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # the second process of `second_process`
     args = ap.parse_args()
+    if args.child:
+        seconds, plan = _planned(args.child[0], float(args.child[1]))
+        print(json.dumps([seconds, plan.compiles]))
+        return
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cores")
+    print(f"{'model':>15} {'plain s':>8} {'budget MB':>10} {'plan s':>8} {'ratio':>6} {'compiles':>9} "
+          f"{'err median':>10} {'err max':>8} {'2nd proc s':>10} {'fits':>5}")
+    for name in args.models:
+        r = first_call(name)
+        print(f"{r['model']:>15} {r['plain_compile_s']:8.2f} {r['budget_mb']:10.2f} {r['planning_s']:8.2f} "
+              f"{r['ratio']:6.1f} {r['compiles']:9d} {r['model_error_median']:10.3f} {r['model_error_max']:8.3f} "
+              f"{r['second_process_s']:10.3f} {str(r['fits']):>5}", flush=True)
     for calibrate in (False, True):
         times = []
         for _ in range(args.repeat):

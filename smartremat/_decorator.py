@@ -216,8 +216,10 @@ def smartremat(
       `eqx.tree_at`). Defaults to the sub-modules its forward calls, found automatically.
     - `calibrate`: ask the compiler for each distinct block's own peak (one small compile per
       block and policy, no device memory). Without it the model uses jaxpr counts only.
-    - `verify`: compile the real step for the candidate plans and keep the cheapest whose
-      compiled temp bytes fit; the compiler, not the model, then guarantees the fit.
+    - `verify`: compile the real step for candidate plans (a few of the model's frontier, found
+      by a search from its choice, and the uniform plans) and keep the cheapest whose compiled
+      temp bytes fit; the compiler, not the model, then guarantees the fit. Plans are cached on
+      disk (see docs/how-it-works.md: `SMARTREMAT_CACHE_DIR`, `SMARTREMAT_DISK_CACHE=0`).
     - `plan`: a saved `Plan` (`smartremat.load_plan(path)`) to apply instead of planning; it must
       have been made for the same module and input signature, and its peak must fit `budget_mb`
       (it runs as saved, whatever the budget; `smartremat.explain` shows it).

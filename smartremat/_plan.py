@@ -56,7 +56,9 @@ class Plan:
 
     Peaks are the activation memory of one forward+backward through the module (see the
     docs: what the budget means). `predicted_*` figures come from smartremat's model;
-    `compiled_peak_bytes` and `compiled_flops` from the compiler, when the plan was verified.
+    `compiled_peak_bytes` and `compiled_flops` from the compiler, when the plan was verified;
+    `compiles` is how many whole-step compiles verification asked for (candidates times losses;
+    those already cached in this process cost nothing).
     """
 
     budget_bytes: int
@@ -71,6 +73,7 @@ class Plan:
     compiled_flops: float | None = None
     fixed_bytes: int = 0
     planning_seconds: float = 0.0
+    compiles: int = 0
     backend: str = ""
     notes: tuple[str, ...] = ()
     assignment: tuple[tuple[tuple[Any, ...], Option], ...] = field(default=(), compare=False, repr=False)
@@ -92,6 +95,7 @@ class Plan:
             "forward_flops": self.forward_flops,
             "compiled_flops": self.compiled_flops,
             "planning_s": self.planning_seconds,
+            "compiles": self.compiles,
             "backend": self.backend,
             "notes": list(self.notes),
             "blocks": [b.to_dict() for b in self.blocks],
@@ -117,16 +121,20 @@ class Plan:
 
         if not self.stages:
             raise ValueError(
-                "This plan was loaded from JSON, which does not keep the profile the frontier needs. "
-                "Call `smartremat.explain(model, *args)` to plan again and get the frontier."
+                "This plan was loaded from JSON (a saved plan, or smartremat's disk cache), which does not "
+                "keep the profile the frontier needs. Call `smartremat.explain(model, *args)` with "
+                "`SMARTREMAT_DISK_CACHE=0` in the environment to plan again and get the frontier."
             )
         return [((s.peak + self.fixed_bytes) / MB, s.cost) for s in frontier(self.stages)]
 
     def uniform(self) -> dict[str, tuple[float, int]]:
-        """`{policy name: (predicted peak_mb, recompute_flops)}` of each policy on every block."""
+        """`{policy name: (predicted peak_mb, recompute_flops)}` of each policy on every block
+        (empty for a plan loaded from JSON, which keeps no profile)."""
         from ._memory import cost_of, peak_of
 
-        out = {}
+        out: dict[str, tuple[float, int]] = {}
+        if not self.stages:
+            return out
         n = len(self.stages)
         for i, name in enumerate(self.menu):
             choice = (i,) * n

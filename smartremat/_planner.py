@@ -7,13 +7,13 @@ import math
 import os
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 
+from . import _disk
 from ._apply import run
 from ._discover import call_module
 from ._cache import KeyedCache, barrier_hint, environment_key
@@ -28,6 +28,7 @@ from ._solve import Solution, frontier, min_peak, solve
 from ._serialise import signature
 from ._spec import CallSpec, shardings_hidden
 from ._verify import DEFAULT_LOSSES, compiled_step
+from ._search import MAX_CANDIDATES, Outcome, search, spread
 
 logger = logging.getLogger("smartremat")
 
@@ -72,7 +73,22 @@ _PLANS: KeyedCache[Plan] = KeyedCache()
 def get_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Plan:
     """The plan for this call, signature, config and environment, made once."""
     key = (call, spec.key(), config, *environment_key())
-    return _PLANS.get(key, lambda: make_plan(call, spec, module, config))
+    return _PLANS.get(key, lambda: _stored_or_made(call, spec, module, config))
+
+
+def _stored_or_made(call: Callable, spec: CallSpec, module: Any, config: Config) -> Plan:
+    """The plan from the disk cache (`_disk`) if it holds one for this key, else a new plan,
+    stored there."""
+    t0 = time.perf_counter()
+    text = _disk.plan_key(call, signature(call, spec), module, config)
+    stored = _disk.load(text)
+    if stored is None:
+        plan = make_plan(call, spec, module, config)
+        _disk.store(text, plan)
+        return plan
+    plan = _disk.loaded(stored[0], time.perf_counter() - t0)
+    _log(type(module).__name__, plan)
+    return plan
 
 
 def _option_of(profile: BlockProfile, option: Option) -> PolicyProfile:
@@ -101,15 +117,17 @@ def uniform(model: MemoryModel, option: Option) -> tuple[int, ...]:
     return tuple(next((i for i, p in enumerate(model.menus[ci]) if p == option), 0) for ci in model.owner)
 
 
-def build_model(call: Callable, spec: CallSpec, module: Any, config: Config) -> MemoryModel:
+def build_model(call: Callable, spec: CallSpec, module: Any, config: Config,
+                progress: Callable[[str], None] = logger.debug) -> MemoryModel:
     """Discover the block calls and profile each distinct one under every option."""
     found = discover(module, call, spec, config.blocks)
     calls = tuple(expand_stacks(found) if config.blocks is None else found)
     menus = _menus(calls, config)
-    profiles = tuple(
-        profile_block(c.spec, call if c.path == () else call_module, menu, config.calibrate)
-        for c, menu in zip(calls, menus)
-    )
+    profiles = []
+    for k, (c, menu) in enumerate(zip(calls, menus)):
+        progress(f"profiling block call {k + 1} of {len(calls)}: {path_str(c.path)} ({c.type_name})")
+        profiles.append(profile_block(c.spec, call if c.path == () else call_module, menu, config.calibrate))
+    profiles = tuple(profiles)
     menus = _available(calls, profiles, menus)
     groups = {p: i for i, p in enumerate(dict.fromkeys(c.path for c in calls))}
     stages, owner = [], []
@@ -200,15 +218,31 @@ def _segments(opts: list[int], reverse: bool, policies: tuple[Option, ...]) -> O
     return pieces[0][2] if len(pieces) == 1 else Segments(tuple(pieces))
 
 
+_QUIET_SECONDS = 2.0
+
+
+def progress_log(name: str, t0: float) -> Callable[[str], None]:
+    """Say what planning `name` is doing on the `smartremat` logger (INFO), once it has taken
+    more than `_QUIET_SECONDS`; quicker plans stay quiet."""
+
+    def say(what: str) -> None:
+        elapsed = time.perf_counter() - t0
+        if elapsed >= _QUIET_SECONDS:
+            logger.info("smartremat planning %s, %.1f s: %s", name, elapsed, what)
+
+    return say
+
+
 def make_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Plan:
     t0 = time.perf_counter()
-    model = build_model(call, spec, module, config)
+    progress = progress_log(type(module).__name__, t0)
+    model = build_model(call, spec, module, config, progress)
     stages, fixed = model.stages, model.fixed_bytes
     lowest = min_peak(stages)
     sol = solve(stages, config.budget_bytes - fixed)
     if sol is None and not config.verify:
         raise infeasible(config, spec, lowest.peak + fixed, "predicted by smartremat's model")
-    compiled = None
+    outcome = None
     if config.verify:
         def measure(choice: tuple[int, ...]) -> tuple[int, float]:
             return compiled_step(call, spec, assignment_of(model, choice), config.losses)
@@ -216,9 +250,9 @@ def make_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Pl
         def error(floor: int) -> ValueError:
             return infeasible(config, spec, floor, "compiled temp bytes of the training step")
 
-        sol, compiled = verified(model, config, measure, error, sol or lowest, lowest)
+        sol, outcome = verified(model, config, measure, error, sol or lowest, lowest, progress)
     assert sol is not None  # unverified, an unsolvable budget raised above
-    plan = assemble(model, config, sol, lowest, compiled, time.perf_counter() - t0, signature(call, spec))
+    plan = assemble(model, config, sol, lowest, outcome, time.perf_counter() - t0, signature(call, spec))
     if cpu_barrier_missing():
         warnings.warn("smartremat: " + CPU_NOTE + ".", stacklevel=2)
     _log(type(module).__name__, plan)
@@ -240,44 +274,30 @@ def _log(name: str, plan: Plan) -> None:
 _MAX_FRONTIER_STAGES = 64
 
 
-_MAX_CANDIDATES = 16
-
-
 def verified(model: MemoryModel, config: Config, measure: Callable, error: Callable,
-             sol: Solution, lowest: Solution) -> tuple[Solution, tuple[int, float]]:
-    """The candidate with the fewest *compiled* FLOPs (the model's FLOPs when a block is
-    scanned: XLA counts a loop body once) whose compiled temp bytes fit the budget.
+             sol: Solution, lowest: Solution, progress: Callable[[str], None] = logger.debug,
+             ) -> tuple[Solution, Outcome]:
+    """The cheapest candidate whose compiled temp bytes fit the budget, found by `_search.search`
+    with few whole-step compiles.
 
-    Candidates are the model's Pareto frontier (at most `_MAX_CANDIDATES` points, spread
-    evenly; above `_MAX_FRONTIER_STAGES` stages, where enumerating it is too slow, only the
-    model's choice `sol` and the lowest-peak choice `lowest`) and every uniform plan: after XLA's fusion a uniform policy can take fewer FLOPs
-    than no remat (docs/facts.md, fact 9), and the model's peaks are off by a few percent. The set
-    does not depend on the budget, so each is compiled once per signature (cached), and as the
-    budget falls the chosen plan's compiled temp bytes never rise.
+    Candidates are the model's Pareto frontier (at most `MAX_CANDIDATES` points, spread evenly;
+    above `_MAX_FRONTIER_STAGES` stages, where enumerating it is too slow, only the lowest-peak
+    choice `lowest` and the model's choice `sol`) and every uniform plan. "Cheapest" is the
+    fewest compiled FLOPs, or the model's FLOPs when a block is scanned (XLA's cost analysis
+    counts a loop body once, docs/facts.md fact 7).
     """
     stages = model.stages
-    front = frontier(stages) if len(stages) <= _MAX_FRONTIER_STAGES else [lowest, sol]
-    cands = list(dict.fromkeys([s.choice for s in _spread(front, _MAX_CANDIDATES)]
-                               + [uniform(model, p) for p in config.policies]))
-
-    with ThreadPoolExecutor(max(1, min(len(cands), os.cpu_count() or 1))) as pool:
-        figures = dict(zip(cands, pool.map(measure, cands)))
-    # XLA's cost analysis counts a loop body once (docs/facts.md, fact 7): with scans, rank by the model
+    front = frontier(stages) if len(stages) <= _MAX_FRONTIER_STAGES else sorted({lowest, sol}, key=lambda s: s.peak)
+    points = spread(front, MAX_CANDIDATES)
     looped = any(st.run is not None for st in stages)
-    fits = [(cost_of(stages, ch) if looped else f, t, cost_of(stages, ch), ch)
-            for ch, (t, f) in figures.items() if t <= config.budget_bytes]
-    if not fits:
-        raise error(min(t for t, _ in figures.values()))
-    _, temp, cost, choice = min(fits)
-    return Solution(choice, peak_of(stages, choice), cost), figures[choice]
 
+    def rank(choice: tuple[int, ...], flops: float) -> float:
+        return cost_of(stages, choice) if looped else flops
 
-def _spread(front: list[Solution], n: int) -> list[Solution]:
-    """At most `n` frontier points, evenly spaced, always keeping both ends."""
-    if len(front) <= n:
-        return front
-    idx = sorted({round(k * (len(front) - 1) / (n - 1)) for k in range(n)})
-    return [front[i] for i in idx]
+    out = search([p.choice for p in points], [p.peak + model.fixed_bytes for p in points],
+                 list(dict.fromkeys(uniform(model, p) for p in config.policies)), config.budget_bytes,
+                 measure, rank, error, progress)
+    return Solution(out.choice, peak_of(stages, out.choice), cost_of(stages, out.choice)), out
 
 
 def infeasible(config: Config, spec: CallSpec, floor: int, kind: str) -> ValueError:
@@ -336,9 +356,11 @@ def _full_remat(menu: tuple[Option, ...]) -> Option:
 
 
 def assemble(model: MemoryModel, config: Config, sol: Solution, lowest: Solution,
-             compiled: tuple[int, float] | None, seconds: float,
-              sig: str) -> Plan:
+             outcome: Outcome | None, seconds: float, sig: str, per_candidate: int | None = None) -> Plan:
+    """The `Plan` of choice `sol`; `per_candidate` is how many whole-step compiles each candidate
+    took (one per loss by default)."""
     stages, fixed = model.stages, model.fixed_bytes
+    compiled = None if outcome is None else outcome.compiled
     return Plan(
         budget_bytes=config.budget_bytes,
         predicted_peak_bytes=sol.peak + fixed,
@@ -353,6 +375,7 @@ def assemble(model: MemoryModel, config: Config, sol: Solution, lowest: Solution
         compiled_flops=None if compiled is None else float(compiled[1]),
         fixed_bytes=fixed,
         planning_seconds=seconds,
+        compiles=0 if outcome is None else len(outcome.measured) * (per_candidate or len(config.losses)),
         backend=jax.default_backend(),
         notes=tuple(_notes(model, sol)),
         assignment=assignment_of(model, sol.choice),

@@ -73,7 +73,8 @@ def _totals(plan: Plan) -> list[str]:
         f"no remat        {plan.no_remat_peak_bytes / MB:10.2f} MB   full remat {plan.full_remat_peak_bytes / MB:.2f} MB"
         f"   lowest reachable {plan.min_peak_bytes / MB:.2f} MB",
         f"recompute       {plan.recompute_flops / 1e9:10.3f} GFLOP ({overhead:.1f}% of the forward)",
-        f"planned in      {plan.planning_seconds:10.2f} s on {plan.backend}   (* = chosen; MB kept for the backward)",
+        f"planned in      {plan.planning_seconds:10.2f} s on {plan.backend}, {plan.compiles} whole-step compiles   "
+        "(* = chosen; MB kept for the backward)",
     ]
     return lines + [f"note: {n}" for n in plan.notes]
 

@@ -29,8 +29,18 @@ def signature(call: Callable, spec: CallSpec) -> str:
 def plan_to_json(plan: Plan) -> str:
     data = plan.to_dict()
     data["signature"] = plan.signature
-    data["assignment"] = [[[list(step) for step in path], option.to_json()] for path, option in plan.assignment]
+    data["assignment"] = assignment_to_json(plan.assignment)
     return json.dumps(data, indent=1)
+
+
+def assignment_to_json(assignment: tuple) -> list:
+    """`((path, option), ...)` as JSON: each path a list of its steps, each option its `to_json`."""
+    return [[[list(step) for step in path], option.to_json()] for path, option in assignment]
+
+
+def assignment_from_json(data: list) -> tuple:
+    """What `assignment_to_json` wrote; options of the default menu only."""
+    return tuple((tuple(tuple(step) for step in path), from_json(o, _policy)) for path, o in data)
 
 
 def load_plan(source: str | os.PathLike | dict) -> Plan:
@@ -89,8 +99,8 @@ def _plan_of(data: dict) -> Plan:
         blocks=tuple(_block(b) for b in data["blocks"]),
         compiled_peak_bytes=None if data["compiled_peak_mb"] is None else round(data["compiled_peak_mb"] * MB),
         compiled_flops=data["compiled_flops"], fixed_bytes=round(data["fixed_mb"] * MB),
-        planning_seconds=data["planning_s"], backend=data["backend"], notes=tuple(data["notes"]),
-        assignment=tuple((tuple(tuple(step) for step in path), from_json(o, _policy)) for path, o in data["assignment"]),
+        planning_seconds=data["planning_s"], compiles=data.get("compiles", 0), backend=data["backend"], notes=tuple(data["notes"]),
+        assignment=assignment_from_json(data["assignment"]),
         signature=str(data["signature"]),
     )
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import jax
 
-from . import _planner
+from . import _disk, _planner
+from ._serialise import assignment_from_json, assignment_to_json
 from ._memory import peak_of
 from ._plan import MB, Plan
 from ._solve import min_peak, solve
@@ -97,13 +98,35 @@ class Entry:
 
 def plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], config: _planner.Config,
               options: StepOptions) -> Entry:
+    """The step's plan from the disk cache (`_disk`) if it holds one for this key, else a new
+    plan, stored there."""
+    t0 = time.perf_counter()
+    text = _disk.step_key(fun, sig.treedef, sig.avals, [m for _, m in roots], config, options)
+    stored = _disk.load(text)
+    if stored is not None:
+        plan, extra = stored
+        try:
+            assignments = tuple(assignment_from_json(a) for a in extra)
+        except (TypeError, ValueError) as e:
+            _planner.logger.warning("smartremat: ignoring a cached plan whose assignments are unreadable (%s)", e)
+        else:
+            return Entry(_disk.loaded(plan, time.perf_counter() - t0), assignments,
+                         frozenset(type(m) for _, m in roots), sig)
+    entry = _plan_step(fun, sig, roots, config, options)
+    _disk.store(text, entry.plan, [assignment_to_json(a) for a in entry.assignments])
+    return entry
+
+
+def _plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], config: _planner.Config,
+               options: StepOptions) -> Entry:
     """Record the module calls, build and join their models, verify candidates on the step."""
     t0 = time.perf_counter()
     calls = record(fun, sig, roots)
     if not calls:
         raise ValueError(_no_module_call(fun, roots, "smartremat.filter_jit"))
     labels = [c.label for c in calls]
-    model = joined_model([_planner.build_model(c.call, c.spec, c.spec.rebuild(c.spec.dynamic)[0], config)
+    progress = _planner.progress_log(getattr(fun, "__qualname__", "step"), t0)
+    model = joined_model([_planner.build_model(c.call, c.spec, c.spec.rebuild(c.spec.dynamic)[0], config, progress)
                           for c in calls], labels)
     classes = frozenset(type(m) for _, m in roots)
     stages = model.stages
@@ -123,10 +146,10 @@ def plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], confi
     model = dataclasses.replace(model, fixed_bytes=max(base.temp - peak_of(stages, none), 0))
     lowest = min_peak(stages)
     sol = solve(stages, config.budget_bytes - model.fixed_bytes) or lowest
-    sol, compiled = _planner.verified(model, config, measure, lambda floor: _too_low(fun, config, floor, name, options.auto),
-                                      sol, lowest)
-    plan = _planner.assemble(model, config, sol, lowest, compiled, time.perf_counter() - t0,
-                             _signature(fun, sig))
+    sol, outcome = _planner.verified(model, config, measure, lambda floor: _too_low(fun, config, floor, name, options.auto),
+                                     sol, lowest, progress)
+    plan = _planner.assemble(model, config, sol, lowest, outcome, time.perf_counter() - t0,
+                             _signature(fun, sig), per_candidate=1)
     if any(shardings_hidden(c.spec) for c in calls) and any(_sharded(a) for a in sig.avals):
         plan = dataclasses.replace(plan, notes=plan.notes + (HIDDEN_NOTE,))
     return Entry(plan, split_assignment(model, sol.choice, labels), classes, sig)

@@ -1,4 +1,7 @@
-"""Set the CPU barrier flag before JAX is imported (docs/facts.md, fact 1), and strict dtype promotion."""
+"""Set the CPU barrier flag before JAX is imported (docs/facts.md, fact 1), and strict dtype promotion.
+
+The disk plan cache is off for the suite (every test plans, and nothing is written to the user's
+cache folder); tests/test_disk_cache.py turns it on in a temporary folder."""
 
 import os
 import sys
@@ -7,6 +10,7 @@ flag = "--xla_disable_hlo_passes=cse_barrier_expander"
 if flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 assert "jax" not in sys.modules or flag in os.environ["XLA_FLAGS"]
+os.environ["SMARTREMAT_DISK_CACHE"] = "0"
 
 
 import jax  # noqa: E402

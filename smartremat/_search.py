@@ -1,0 +1,133 @@
+"""Hold the model's frontier against the compiler with few whole-step compiles.
+
+The candidates are the model's Pareto frontier (sorted by predicted peak, at most
+`MAX_CANDIDATES` points spread evenly) and the uniform plans. Compiling all of them costs one
+whole-step compile per candidate and loss; `search` compiles only:
+
+1. the lowest-peak frontier point, first. If it fits, the budget is feasible. If it misses, every
+   candidate is compiled (the model's lowest peak is not always the compiler's: fusion and
+   buffer reuse can reorder plans near the floor), and the budget is infeasible if none fits;
+   the error then states the lowest compiled temp of them all;
+2. the uniform plans (they do not depend on the budget, so they are compiled once per
+   signature and cached): after XLA's fusion a uniform policy can take fewer FLOPs than the
+   frontier says (docs/facts.md, fact 9);
+3. frontier points chosen by the model's predicted peak, scaled by the ratio of compiled to
+   predicted bytes measured so far, until the cheapest fitting point is bracketed: it fits and
+   the next cheaper point misses (or is the cheapest of all).
+
+Among the candidates compiled for this budget that fit, the one with the fewest compiled FLOPs
+wins (the model's FLOPs when a block is scanned: XLA counts a loop body once). Fit, and never
+costing more than a fitting uniform plan, are therefore read off the compiler. Which candidates
+are compiled depends only on the budget and the signature, never on what was planned before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+logger = logging.getLogger("smartremat")
+
+MAX_CANDIDATES = 16
+
+Choice = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the search found: the chosen candidate, its compiled `(temp, flops)`, and the
+    candidates it compiled (each once per loss)."""
+
+    choice: Choice
+    compiled: tuple[int, float]
+    measured: tuple[Choice, ...]
+
+
+def spread(front: Sequence, n: int) -> list:
+    """At most `n` frontier points, evenly spaced, always keeping both ends."""
+    if len(front) <= n:
+        return list(front)
+    idx = sorted({round(k * (len(front) - 1) / (n - 1)) for k in range(n)})
+    return [front[i] for i in idx]
+
+
+class _Compiled:
+    """Compiled `(temp, flops)` per candidate, measured in parallel batches, in order asked."""
+
+    def __init__(self, measure: Callable[[Choice], tuple[int, float]], progress: Callable[[str], None]):
+        self.measure, self.progress, self.figures = measure, progress, {}
+
+    def __call__(self, *choices: Choice) -> None:
+        new = [c for c in dict.fromkeys(choices) if c not in self.figures]
+        if not new:
+            return
+        self.progress(f"compiling {len(new)} candidate plan(s) ({len(self.figures) + len(new)} so far)")
+        with ThreadPoolExecutor(max(1, min(len(new), os.cpu_count() or 1))) as pool:
+            self.figures.update(zip(new, pool.map(self.measure, new)))
+
+
+def search(points: Sequence[Choice], predicted: Sequence[int], uniforms: Sequence[Choice], budget: int,
+           measure: Callable[[Choice], tuple[int, float]], rank: Callable[[Choice, float], float],
+           error: Callable[[int], Exception], progress: Callable[[str], None]) -> Outcome:
+    """The cheapest candidate whose compiled temp bytes fit `budget`.
+
+    **Arguments:**
+
+    - `points`: frontier choices sorted by predicted peak, lowest first (so costliest first).
+    - `predicted`: their predicted peaks (bytes), ascending.
+    - `uniforms`: the uniform plans' choices.
+    - `measure`: a choice's compiled `(temp bytes, flops)`.
+    - `rank`: the figure to minimise, from a choice and its compiled FLOPs.
+    - `error`: the exception to raise, given the lowest compiled temp, when nothing fits.
+    """
+    compiled = _Compiled(measure, progress)
+    compiled(points[0])
+    if compiled.figures[points[0]][0] > budget:  # infeasible unless some other candidate fits
+        compiled(*uniforms, *points)
+        floor = min(t for t, _ in compiled.figures.values())
+        if floor > budget:
+            raise error(floor)
+    first = _guess(points, predicted, compiled.figures, budget, 0, len(points))
+    compiled(*uniforms, points[first])
+    _bracket(points, predicted, compiled, budget)
+    fits = [(rank(c, f), t, c) for c, (t, f) in compiled.figures.items() if t <= budget]
+    _, _, choice = min(fits)
+    return Outcome(choice, compiled.figures[choice], tuple(compiled.figures))
+
+
+def _bracket(points: Sequence[Choice], predicted: Sequence[int], compiled: _Compiled, budget: int) -> None:
+    """Compile frontier points until a fitting one and the next cheaper one, which misses, are
+    both known (or the cheapest point fits). Interpolation by the calibrated model, falling back
+    to bisection when the bracket does not shrink fast."""
+    lo, hi = _known_bracket(points, compiled.figures, budget)
+    steps = 0
+    while hi - lo > 1:
+        i = (lo + hi) // 2 if steps >= 2 else _guess(points, predicted, compiled.figures, budget, lo + 1, hi)
+        compiled(points[i])
+        lo, hi = _known_bracket(points, compiled.figures, budget)
+        steps += 1
+
+
+def _known_bracket(points: Sequence[Choice], figures: dict, budget: int) -> tuple[int, int]:
+    """`(lo, hi)`: the cheapest compiled point that fits (index; `-1` if none), and the first
+    compiled point above it that misses (`len(points)` if none)."""
+    known = [(i, figures[p][0] <= budget) for i, p in enumerate(points) if p in figures]
+    lo = max((i for i, ok in known if ok), default=-1)
+    hi = min((i for i, ok in known if not ok and i > lo), default=len(points))
+    return lo, hi
+
+
+def _guess(points: Sequence[Choice], predicted: Sequence[int], figures: dict, budget: int,
+           lo: int, hi: int) -> int:
+    """The cheapest index in `[lo, hi)` whose predicted peak, scaled by the compiled/predicted
+    ratio of the nearest compiled frontier point, fits `budget`."""
+    known = [(i, figures[p][0] / max(predicted[i], 1)) for i, p in enumerate(points) if p in figures]
+    best = lo
+    for i in range(lo, hi):
+        ratio = min(known, key=lambda k: abs(k[0] - i))[1] if known else 1.0
+        if predicted[i] * ratio <= budget:
+            best = i
+    return best

@@ -1,0 +1,75 @@
+"""Verification's search along the frontier, on synthetic compiled figures (no compiler)."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from smartremat._search import search, spread
+
+
+def _run(temps, predicted, uniform_temps, budget, flops=None, uniform_flops=0.5):
+    """Frontier point i is the choice `(i,)` (temp `temps[i]`, FLOPs falling with i); uniform plan
+    j is `(100 + j,)`. Returns the outcome and the choices compiled, in order."""
+    n = len(temps)
+    flops = flops or [float(n - i) for i in range(n)]
+    table = {(i,): (temps[i], flops[i]) for i in range(n)}
+    table.update({(100 + j,): (t, uniform_flops + j) for j, t in enumerate(uniform_temps)})
+    asked = []
+
+    def measure(choice):
+        asked.append(choice)
+        return table[choice]
+
+    out = search([(i,) for i in range(n)], predicted, [(100 + j,) for j in range(len(uniform_temps))],
+                 budget, measure, lambda c, f: f, lambda floor: ValueError(f"floor {floor}"), lambda _: None)
+    return out, asked, table
+
+
+def _exhaustive(table, budget):
+    fits = [(f, t, c) for c, (t, f) in table.items() if t <= budget]
+    return min(fits)[2]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=16), st.floats(0.3, 3.0),
+       st.lists(st.integers(1, 400), max_size=3), st.integers(0, 400))
+def test_with_monotone_compiled_temps_the_search_finds_what_compiling_everything_finds(steps, ratio, uniforms, budget):
+    temps = [sum(steps[: i + 1]) for i in range(len(steps))]  # rising along the frontier
+    predicted = [round(t * ratio) for t in temps]  # the model off by a constant factor
+    floor = min([temps[0]] + uniforms)
+    if budget < floor:
+        with pytest.raises(ValueError, match=f"floor {floor}"):
+            _run(temps, predicted, uniforms, budget)
+        return
+    out, asked, table = _run(temps, predicted, uniforms, budget)
+    assert out.compiled[0] <= budget
+    assert out.choice == _exhaustive(table, budget)
+    assert len(asked) == len(set(asked)) == len(out.measured)  # each candidate compiled once
+
+
+def test_an_accurate_model_needs_the_lowest_plan_the_uniforms_and_two_frontier_points():
+    temps = list(range(10, 170, 10))  # 16 points
+    out, asked, _ = _run(temps, temps, [10, 160], budget=95, uniform_flops=1e3)
+    assert out.choice == (8,) and out.compiled == (90, 8.0)
+    assert len(asked) == 1 + 2 + 2, asked  # lowest; uniforms with the guess (8); its cheaper neighbour (9)
+
+
+def test_below_the_lowest_plan_every_candidate_is_compiled_before_the_budget_is_refused():
+    temps = [30, 20] + list(range(40, 180, 10))  # the model's lowest plan is not the compiler's
+    with pytest.raises(ValueError, match="floor 7"):
+        _run(temps, list(range(16)), [7, 160], budget=5)
+    out, asked, _ = _run(temps, list(range(16)), [50, 160], budget=25)
+    assert out.choice == (1,) and len(asked) == 16 + 2
+
+
+def test_a_uniform_plan_with_fewer_flops_wins():
+    temps = list(range(10, 170, 10))
+    flops = [100.0 - i for i in range(16)]
+    out, _, _ = _run(temps, temps, [50], budget=95, flops=flops)
+    assert out.choice == (100,)  # uniform FLOPs 0.5 < the frontier's 92
+
+
+@pytest.mark.parametrize("n,k", [(3, 16), (40, 16), (17, 16)])
+def test_spread_keeps_both_ends(n, k):
+    got = spread(list(range(n)), k)
+    assert got[0] == 0 and got[-1] == n - 1 and len(got) == min(n, k) and got == sorted(set(got))
