@@ -73,3 +73,25 @@ def test_a_uniform_plan_with_fewer_flops_wins():
 def test_spread_keeps_both_ends(n, k):
     got = spread(list(range(n)), k)
     assert got[0] == 0 and got[-1] == n - 1 and len(got) == min(n, k) and got == sorted(set(got))
+
+
+def test_planning_says_what_it_is_doing_and_counts_its_compiles(monkeypatch, caplog):
+    """Progress on the `smartremat` logger (here from the first second on), and `Plan.compiles`."""
+    import logging
+
+    import jax
+    import jax.numpy as jnp
+
+    import smartremat
+    from smartremat import _planner
+    from tests.models import MLPStack
+
+    monkeypatch.setattr(_planner, "_QUIET_SECONDS", 0.0)
+    smartremat.clear_caches()
+    model = MLPStack(3, 16, 64, jax.random.key(0))
+    with caplog.at_level(logging.INFO, logger="smartremat"):
+        plan = smartremat.explain(smartremat.smartremat(budget_mb=0.05, nested=False)(model), jnp.ones((8, 16)))
+    assert "profiling block call 1 of 3: layers[0]" in caplog.text
+    compiling = [r for r in caplog.records if "compiling" in r.getMessage()]
+    assert compiling and plan.compiles == int(compiling[-1].getMessage().split("(")[-1].split()[0]) * 3
+    assert f"{plan.compiles} whole-step compiles" in str(plan)
