@@ -8,8 +8,8 @@ so a hash collision or a file from another key is never used. The folder is
 
 The key holds: the call's signature (module structure, shapes, dtypes, batching, backend), the
 source code of the module's classes and of the call, the configuration (budget, menu, options,
-losses), the devices, the JAX, jaxlib and smartremat versions (smartremat's own source hashed),
-and `XLA_FLAGS`. A plan is cached only when each of these has a stable text: a menu of the
+losses), the devices, the JAX, jaxlib, Equinox and smartremat versions (smartremat's own source
+hashed), and `XLA_FLAGS`. A plan is cached only when each of these has a stable text: a menu of the
 built-in policies, and losses and `blocks=` functions whose source can be read. Otherwise the
 plan is made as usual and not stored.
 """
@@ -95,17 +95,17 @@ def _module_classes(modules: list[Any]) -> list[type]:
 
 
 def _code(modules: Sequence[Any], call: Callable) -> str | None:
-    """A hash of the source of the modules' classes (their MROs below `eqx.Module`) and of the call."""
+    """A hash of the source of the modules' classes (their MROs below `eqx.Module`; Equinox's own
+    classes are covered by its version) and of the call; `None` if any of it cannot be read (a
+    class typed into a REPL), so that a changed class never reads an old plan."""
     texts = []
     for cls in _module_classes(list(modules)):
-        for base in cls.__mro__:
-            if base is eqx.Module or base.__module__.startswith(("equinox", "builtins", "abc")):
-                continue
-            texts.append(_source(base) or f"{base.__module__}.{base.__qualname__}")
-    call_text = _source(call)
-    if call_text is None:
+        texts += [_source(base) for base in cls.__mro__
+                  if issubclass(base, eqx.Module) and not base.__module__.startswith("equinox")]
+    texts.append(_source(call))
+    if None in texts:
         return None
-    return hashlib.sha256("\0".join(texts + [call_text]).encode()).hexdigest()
+    return hashlib.sha256("\0".join(t for t in texts if t is not None).encode()).hexdigest()
 
 
 def _loss_text(loss: Any) -> str | None:
@@ -127,7 +127,7 @@ def _key_text(signature: str, code: str | None, config: Any, extra: tuple = ()) 
     from . import __version__
 
     devices = [(d.platform, d.device_kind) for d in jax.devices()]
-    return repr((FORMAT, __version__, _own_source(), jax.__version__, _jaxlib_version(),
+    return repr((FORMAT, __version__, _own_source(), jax.__version__, _jaxlib_version(), eqx.__version__,
                  os.environ.get("XLA_FLAGS", ""), devices, signature, code, config.budget_bytes,
                  [o.name for o in config.policies], blocks, config.calibrate, config.verify,
                  config.scan_segments, config.nested, losses, extra))

@@ -114,6 +114,10 @@ def test_the_modules_code_is_part_of_the_key(tmp_path, monkeypatch):
         keys.append(_disk._code([block], type(block).__call__))
     sys.modules.pop("usermodel", None)
     assert None not in keys and keys[0] != keys[1]
+    namespace: dict = {}
+    exec("import equinox as eqx\nclass Typed(eqx.Module):\n    def __call__(self, x):\n        return x", namespace)
+    typed = namespace["Typed"]()  # as typed into a REPL: no source to read, so never cached
+    assert _disk._code([typed], type(typed).__call__) is None
 
 
 def test_off_and_unstable_keys_store_nothing(disk, monkeypatch):
