@@ -245,12 +245,16 @@ def make_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Pl
     outcome = None
     if config.verify:
         def measure(choice: tuple[int, ...]) -> tuple[int, float]:
+            return compiled_step(call, spec, assignment_of(model, choice), config.losses[:1])
+
+        def confirm(choice: tuple[int, ...]) -> tuple[int, float]:
             return compiled_step(call, spec, assignment_of(model, choice), config.losses)
 
         def error(floor: int) -> ValueError:
             return infeasible(config, spec, floor, "compiled temp bytes of the training step")
 
-        sol, outcome = verified(model, config, measure, error, sol or lowest, lowest, progress)
+        sol, outcome = verified(model, config, measure, error, sol or lowest, lowest, progress,
+                                confirm if len(config.losses) > 1 else None)
     assert sol is not None  # unverified, an unsolvable budget raised above
     plan = assemble(model, config, sol, lowest, outcome, time.perf_counter() - t0, signature(call, spec))
     if cpu_barrier_missing():
@@ -276,7 +280,7 @@ _MAX_FRONTIER_STAGES = 64
 
 def verified(model: MemoryModel, config: Config, measure: Callable, error: Callable,
              sol: Solution, lowest: Solution, progress: Callable[[str], None] = logger.debug,
-             ) -> tuple[Solution, Outcome]:
+             confirm: Callable | None = None) -> tuple[Solution, Outcome]:
     """The cheapest candidate whose compiled temp bytes fit the budget, found by `_search.search`
     with few whole-step compiles.
 
@@ -296,7 +300,7 @@ def verified(model: MemoryModel, config: Config, measure: Callable, error: Calla
 
     out = search([p.choice for p in points], [p.peak + model.fixed_bytes for p in points],
                  list(dict.fromkeys(uniform(model, p) for p in config.policies)), config.budget_bytes,
-                 measure, rank, error, progress)
+                 measure, rank, error, progress, confirm)
     return Solution(out.choice, peak_of(stages, out.choice), cost_of(stages, out.choice)), out
 
 
@@ -356,9 +360,9 @@ def _full_remat(menu: tuple[Option, ...]) -> Option:
 
 
 def assemble(model: MemoryModel, config: Config, sol: Solution, lowest: Solution,
-             outcome: Outcome | None, seconds: float, sig: str, per_candidate: int | None = None) -> Plan:
-    """The `Plan` of choice `sol`; `per_candidate` is how many whole-step compiles each candidate
-    took (one per loss by default)."""
+             outcome: Outcome | None, seconds: float, sig: str) -> Plan:
+    """The `Plan` of choice `sol`; its compile count is the search's: each candidate under the
+    first loss, the confirmed ones under the others too."""
     stages, fixed = model.stages, model.fixed_bytes
     compiled = None if outcome is None else outcome.compiled
     return Plan(
@@ -375,7 +379,7 @@ def assemble(model: MemoryModel, config: Config, sol: Solution, lowest: Solution
         compiled_flops=None if compiled is None else float(compiled[1]),
         fixed_bytes=fixed,
         planning_seconds=seconds,
-        compiles=0 if outcome is None else len(outcome.measured) * (per_candidate or len(config.losses)),
+        compiles=0 if outcome is None else len(outcome.measured) + outcome.confirmed * (len(config.losses) - 1),
         backend=jax.default_backend(),
         notes=tuple(_notes(model, sol)),
         assignment=assignment_of(model, sol.choice),

@@ -19,6 +19,12 @@ Among the candidates compiled for this budget that fit, the one with the fewest 
 wins (the model's FLOPs when a block is scanned: XLA counts a loop body once). Fit, and never
 costing more than a fitting uniform plan, are therefore read off the compiler. Which candidates
 are compiled depends only on the budget and the signature, never on what was planned before.
+
+With several losses (the decorator without `loss=`), the search compiles each candidate under
+the first loss only; a candidate's temp bytes under every loss (the largest counts) are compiled
+when it is about to be chosen, or when it may set the floor an error states. The first loss's
+figure is a lower bound of the largest, so a candidate refuted this way is marked as missing and
+the search goes on.
 """
 
 from __future__ import annotations
@@ -38,12 +44,13 @@ Choice = tuple[int, ...]
 
 @dataclass(frozen=True)
 class Outcome:
-    """What the search found: the chosen candidate, its compiled `(temp, flops)`, and the
-    candidates it compiled (each once per loss)."""
+    """What the search found: the chosen candidate, its compiled `(temp, flops)`, the candidates
+    it compiled (under the first loss), and how many of them it also compiled under every loss."""
 
     choice: Choice
     compiled: tuple[int, float]
     measured: tuple[Choice, ...]
+    confirmed: int = 0
 
 
 def spread(front: Sequence, n: int) -> list:
@@ -55,10 +62,16 @@ def spread(front: Sequence, n: int) -> list:
 
 
 class _Compiled:
-    """Compiled `(temp, flops)` per candidate, measured in parallel batches, in order asked."""
+    """Compiled `(temp, flops)` per candidate, measured in parallel batches, in order asked.
 
-    def __init__(self, measure: Callable[[Choice], tuple[int, float]], progress: Callable[[str], None]):
-        self.measure, self.progress, self.figures = measure, progress, {}
+    `figures[c]` is exact once `c` is confirmed (or when there is no `confirm`: one loss), else
+    the first loss's temp, a lower bound."""
+
+    def __init__(self, measure: Callable[[Choice], tuple[int, float]], progress: Callable[[str], None],
+                 confirm: Callable[[Choice], tuple[int, float]] | None):
+        self.measure, self.progress, self.confirm = measure, progress, confirm
+        self.figures: dict[Choice, tuple[int, float]] = {}
+        self.confirmed: set[Choice] = set()
 
     def __call__(self, *choices: Choice) -> None:
         new = [c for c in dict.fromkeys(choices) if c not in self.figures]
@@ -68,10 +81,31 @@ class _Compiled:
         with ThreadPoolExecutor(max(1, min(len(new), os.cpu_count() or 1))) as pool:
             self.figures.update(zip(new, pool.map(self.measure, new)))
 
+    def exact(self, choice: Choice) -> int:
+        """`choice`'s temp bytes under every loss (compiled the first time it is asked)."""
+        if self.confirm is not None and choice not in self.confirmed:
+            self.progress(f"compiling a candidate plan under every loss ({len(self.confirmed) + 1} so far)")
+            self.confirmed.add(choice)
+            self.figures[choice] = (self.confirm(choice)[0], self.figures[choice][1])
+        return self.figures[choice][0]
+
+    def floor(self) -> int:
+        """The lowest exact temp bytes among the candidates compiled (branch and bound: a
+        first-loss figure at or above the best exact one cannot beat it)."""
+        best = None
+        for c in sorted(self.figures, key=lambda c: self.figures[c][0]):
+            if best is not None and self.figures[c][0] >= best:
+                break
+            t = self.exact(c)
+            best = t if best is None else min(best, t)
+        assert best is not None
+        return best
+
 
 def search(points: Sequence[Choice], predicted: Sequence[int], uniforms: Sequence[Choice], budget: int,
            measure: Callable[[Choice], tuple[int, float]], rank: Callable[[Choice, float], float],
-           error: Callable[[int], Exception], progress: Callable[[str], None]) -> Outcome:
+           error: Callable[[int], Exception], progress: Callable[[str], None],
+           confirm: Callable[[Choice], tuple[int, float]] | None = None) -> Outcome:
     """The cheapest candidate whose compiled temp bytes fit `budget`.
 
     **Arguments:**
@@ -79,23 +113,28 @@ def search(points: Sequence[Choice], predicted: Sequence[int], uniforms: Sequenc
     - `points`: frontier choices sorted by predicted peak, lowest first (so costliest first).
     - `predicted`: their predicted peaks (bytes), ascending.
     - `uniforms`: the uniform plans' choices.
-    - `measure`: a choice's compiled `(temp bytes, flops)`.
+    - `measure`: a choice's compiled `(temp bytes, flops)` (under the first loss).
     - `rank`: the figure to minimise, from a choice and its compiled FLOPs.
     - `error`: the exception to raise, given the lowest compiled temp, when nothing fits.
+    - `confirm`: a choice's compiled figures under every loss (the largest temp), if several.
     """
-    compiled = _Compiled(measure, progress)
+    compiled = _Compiled(measure, progress, confirm)
     compiled(points[0])
-    if compiled.figures[points[0]][0] > budget:  # infeasible unless some other candidate fits
-        compiled(*uniforms, *points)
-        floor = min(t for t, _ in compiled.figures.values())
-        if floor > budget:
-            raise error(floor)
-    first = _guess(points, predicted, compiled.figures, budget, 0, len(points))
-    compiled(*uniforms, points[first])
-    _bracket(points, predicted, compiled, budget)
-    fits = [(rank(c, f), t, c) for c, (t, f) in compiled.figures.items() if t <= budget]
-    _, _, choice = min(fits)
-    return Outcome(choice, compiled.figures[choice], tuple(compiled.figures))
+    if compiled.figures[points[0]][0] <= budget:
+        first = _guess(points, predicted, compiled.figures, budget, 0, len(points))
+        compiled(*uniforms, points[first])
+    while True:
+        _bracket(points, predicted, compiled, budget)
+        fits = [(rank(c, f), t, c) for c, (t, f) in compiled.figures.items() if t <= budget]
+        if not fits:
+            everything = (*uniforms, *points)
+            if all(c in compiled.figures for c in everything):
+                raise error(compiled.floor())
+            compiled(*everything)  # the model's lowest plan is not the compiler's: try them all
+            continue
+        choice = min(fits)[2]
+        if compiled.exact(choice) <= budget:
+            return Outcome(choice, compiled.figures[choice], tuple(compiled.figures), len(compiled.confirmed))
 
 
 def _bracket(points: Sequence[Choice], predicted: Sequence[int], compiled: _Compiled, budget: int) -> None:

@@ -149,7 +149,7 @@ def _plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], conf
     sol, outcome = _planner.verified(model, config, measure, lambda floor: _too_low(fun, config, floor, name, options.auto),
                                      sol, lowest, progress)
     plan = _planner.assemble(model, config, sol, lowest, outcome, time.perf_counter() - t0,
-                             _signature(fun, sig), per_candidate=1)
+                             _signature(fun, sig))
     if any(shardings_hidden(c.spec) for c in calls) and any(_sharded(a) for a in sig.avals):
         plan = dataclasses.replace(plan, notes=plan.notes + (HIDDEN_NOTE,))
     return Entry(plan, split_assignment(model, sol.choice, labels), classes, sig)

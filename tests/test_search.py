@@ -7,9 +7,10 @@ from hypothesis import strategies as st
 from smartremat._search import search, spread
 
 
-def _run(temps, predicted, uniform_temps, budget, flops=None, uniform_flops=0.5):
+def _run(temps, predicted, uniform_temps, budget, flops=None, uniform_flops=0.5, exact=None):
     """Frontier point i is the choice `(i,)` (temp `temps[i]`, FLOPs falling with i); uniform plan
-    j is `(100 + j,)`. Returns the outcome and the choices compiled, in order."""
+    j is `(100 + j,)`. With `exact` (`{choice: temp under every loss}`), `temps` are the first
+    loss's. Returns the outcome, the choices compiled in order, and the exact table."""
     n = len(temps)
     flops = flops or [float(n - i) for i in range(n)]
     table = {(i,): (temps[i], flops[i]) for i in range(n)}
@@ -20,8 +21,14 @@ def _run(temps, predicted, uniform_temps, budget, flops=None, uniform_flops=0.5)
         asked.append(choice)
         return table[choice]
 
+    def confirm(choice):
+        return exact[choice], table[choice][1]
+
     out = search([(i,) for i in range(n)], predicted, [(100 + j,) for j in range(len(uniform_temps))],
-                 budget, measure, lambda c, f: f, lambda floor: ValueError(f"floor {floor}"), lambda _: None)
+                 budget, measure, lambda c, f: f, lambda floor: ValueError(f"floor {floor}"), lambda _: None,
+                 None if exact is None else confirm)
+    if exact is not None:
+        table = {c: (exact[c], f) for c, (_, f) in table.items()}
     return out, asked, table
 
 
@@ -45,6 +52,33 @@ def test_with_monotone_compiled_temps_the_search_finds_what_compiling_everything
     assert out.compiled[0] <= budget
     assert out.choice == _exhaustive(table, budget)
     assert len(asked) == len(set(asked)) == len(out.measured)  # each candidate compiled once
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=16), st.floats(0.5, 1.0), st.floats(0.3, 3.0),
+       st.lists(st.tuples(st.integers(1, 400), st.integers(0, 100)), max_size=3), st.integers(0, 500))
+def test_with_several_losses_the_largest_temp_decides_and_is_compiled_only_where_needed(
+        steps, first_share, ratio, uniforms, budget):
+    exact_temps = [sum(steps[: i + 1]) for i in range(len(steps))]
+    temps = [int(t * first_share) for t in exact_temps]  # the first loss's figure, a lower bound
+    exact = {(i,): t for i, t in enumerate(exact_temps)}
+    exact.update({(100 + j,): t + extra for j, (t, extra) in enumerate(uniforms)})
+    floor = min(exact.values())
+    if budget < floor:
+        with pytest.raises(ValueError, match=f"floor {floor}$"):
+            _run(temps, [round(t * ratio) for t in temps], [t for t, _ in uniforms], budget, exact=exact)
+        return
+    out, asked, table = _run(temps, [round(t * ratio) for t in temps], [t for t, _ in uniforms], budget, exact=exact)
+    assert out.compiled[0] == exact[out.choice] <= budget
+    assert out.choice == _exhaustive(table, budget)
+    assert out.confirmed <= len(asked)
+
+
+def test_a_plan_that_fits_the_first_loss_only_is_refuted():
+    temps = list(range(10, 170, 10))
+    exact = {(i,): t + (30 if i == 8 else 0) for i, t in enumerate(temps)} | {(100,): 10, (101,): 160}
+    out, asked, _ = _run(temps, temps, [10, 160], budget=95, uniform_flops=1e3, exact=exact)
+    assert out.choice == (7,) and out.compiled[0] == 80 and out.confirmed == 2
 
 
 def test_an_accurate_model_needs_the_lowest_plan_the_uniforms_and_two_frontier_points():
@@ -92,6 +126,11 @@ def test_planning_says_what_it_is_doing_and_counts_its_compiles(monkeypatch, cap
     with caplog.at_level(logging.INFO, logger="smartremat"):
         plan = smartremat.explain(smartremat.smartremat(budget_mb=0.05, nested=False)(model), jnp.ones((8, 16)))
     assert "profiling block call 1 of 3: layers[0]" in caplog.text
-    compiling = [r for r in caplog.records if "compiling" in r.getMessage()]
-    assert compiling and plan.compiles == int(compiling[-1].getMessage().split("(")[-1].split()[0]) * 3
+    def last(what):  # the "(N so far)" count of the last message about `what`
+        said = [r.getMessage() for r in caplog.records if what in r.getMessage()]
+        return int(said[-1].split("(")[-1].split()[0]) if said else 0
+
+    candidates, confirmed = last("candidate plan(s)"), last("under every loss")
+    assert candidates > 0 and confirmed > 0  # three default losses: the chosen plan is confirmed
+    assert plan.compiles == candidates + 2 * confirmed
     assert f"{plan.compiles} whole-step compiles" in str(plan)
