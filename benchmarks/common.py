@@ -3,6 +3,8 @@
 Import this module before JAX: it sets the CPU barrier flag (docs/facts.md, fact 1) when no NVIDIA
 GPU is present. On a GPU it must not be set: XLA:GPU then fails to compile remat
 ("Unsupported instruction opcode: opt-barrier", seen on an H200 with jax 0.11.2).
+It also turns smartremat's disk plan cache off (unless SMARTREMAT_DISK_CACHE is set), so that the
+planning times benchmarks report are of planning, not of reading an earlier run's plans.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 CPU_FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
 if "jax" not in sys.modules and shutil.which("nvidia-smi") is None:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + CPU_FLAG).strip()
+os.environ.setdefault("SMARTREMAT_DISK_CACHE", "0")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import math

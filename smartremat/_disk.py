@@ -1,6 +1,7 @@
 """Plans cached on disk, so that a restarted training job does not plan again.
 
-A plan is stored as the JSON `Plan.save` writes, in a file named by the hash of everything the
+A plan is stored as the JSON `Plan.save` writes, with its model's stages (so that `frontier()`,
+`uniform()` and `plot()` work on a plan read back), in a file named by the hash of everything the
 plan depends on (the key below); the key's text is stored beside the plan and compared on load,
 so a hash collision or a file from another key is never used. The folder is
 `$SMARTREMAT_CACHE_DIR`, else `$XDG_CACHE_HOME/smartremat`, else `~/.cache/smartremat`;
@@ -32,6 +33,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
+from ._memory import Stage
 from ._plan import Plan
 from ._policies import DEFAULT_MENU
 
@@ -164,7 +166,9 @@ def load(text: str | None) -> tuple[Plan, Any] | None:
         data = json.loads(path.read_text())
         if data.get("key") != text:
             return None
-        return load_plan(data["plan"]), data.get("extra")
+        plan = load_plan(data["plan"])
+        stages = tuple(Stage(tuple(a), tuple(b), tuple(c), *rest) for a, b, c, *rest in data["stages"])
+        return dataclasses.replace(plan, stages=stages, menu=tuple(data["menu"])), data.get("extra")
     except (OSError, ValueError, KeyError, TypeError) as e:
         logger.warning("smartremat: ignoring the unreadable cached plan %s (%s); planning again", path, e)
         return None
@@ -180,7 +184,8 @@ def store(text: str | None, plan: Plan, extra: Any = None) -> None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        body = json.dumps({"key": text, "plan": json.loads(plan_to_json(plan)), "extra": extra})
+        body = json.dumps({"key": text, "plan": json.loads(plan_to_json(plan)), "extra": extra,
+                           "stages": [dataclasses.astuple(st) for st in plan.stages], "menu": list(plan.menu)})
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
             f.write(body)
         os.replace(f.name, path)

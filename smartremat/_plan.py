@@ -121,9 +121,8 @@ class Plan:
 
         if not self.stages:
             raise ValueError(
-                "This plan was loaded from JSON (a saved plan, or smartremat's disk cache), which does not "
-                "keep the profile the frontier needs. Call `smartremat.explain(model, *args)` with "
-                "`SMARTREMAT_DISK_CACHE=0` in the environment to plan again and get the frontier."
+                "This plan was loaded from JSON (`smartremat.load_plan`), which does not keep the profile "
+                "the frontier needs. Call `smartremat.explain(model, *args)` to plan again and get the frontier."
             )
         return [((s.peak + self.fixed_bytes) / MB, s.cost) for s in frontier(self.stages)]
 

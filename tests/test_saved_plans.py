@@ -90,3 +90,11 @@ def test_hand_edited_policy_must_agree_with_what_runs(saved, tmp_path):
     assert loaded.policies[row["path"]] == "none" and dict(loaded.assignment)[tuple(map(tuple, entry[0]))] == NO_REMAT
     got = jax.grad(lambda m: jnp.mean(m(x) ** 2))(sr(budget_mb=1000, plan=loaded)(model)).module
     assert tree_allclose(got, jax.grad(lambda m: jnp.mean(m(x) ** 2))(model), rtol=1e-5)
+
+
+def test_a_loaded_plan_has_no_frontier_and_says_how_to_get_one(saved):
+    _, _, plan, path, _ = saved
+    loaded = smartremat.load_plan(path)
+    with pytest.raises(ValueError, match=r"loaded from JSON \(`smartremat\.load_plan`\).*Call `smartremat\.explain"):
+        loaded.frontier()
+    assert loaded.uniform() == {} and plan.uniform() != {}
