@@ -7,16 +7,19 @@ so a hash collision or a file from another key is never used. The folder is
 `$SMARTREMAT_CACHE_DIR`, else `$XDG_CACHE_HOME/smartremat`, else `~/.cache/smartremat`;
 `SMARTREMAT_DISK_CACHE=0` turns the disk cache off.
 
-The key holds: the call's signature (module structure, shapes, dtypes, batching, backend), the
-source code of the module's classes and of the call, the configuration (budget, menu, options,
-losses), the devices, the JAX, jaxlib, Equinox and smartremat versions (smartremat's own source
-hashed), and `XLA_FLAGS`. A plan is cached only when each of these has a stable text: a menu of the
-built-in policies, and losses and `blocks=` functions whose source can be read. Otherwise the
-plan is made as usual and not stored.
+The key holds: the traced program (the module's forward and each loss on its output for the
+decorator; the whole step for `smartremat.filter_jit`), so that code, helper functions, static
+arguments and fields are in it; the arguments' structure, shapes, dtypes and shardings; the
+configuration (budget, menu, options; for an automatic budget the device's memory limit); the
+devices; the JAX, jaxlib, Equinox and smartremat versions (smartremat's own source hashed); and
+`XLA_FLAGS`. A plan is cached only when each of these has a stable text: a menu of the built-in
+policies, and a `blocks=` function whose source can be read. Otherwise the plan is made as usual
+and not stored.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -26,6 +29,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -70,84 +74,70 @@ def _jaxlib_version() -> str:
 
 
 def _source(obj: Any) -> str | None:
-    """The source text of a function or class, or `None` when it cannot be read."""
-    target = getattr(obj, "__func__", obj)
+    """The source text of a plain function, or `None` (a lambda typed into a REPL, a partial,
+    a callable object: nothing stable to key on)."""
+    if not inspect.isfunction(obj):
+        return None
     try:
-        return inspect.getsource(target if inspect.isclass(target) or inspect.isfunction(target)
-                                 else type(target))
+        return inspect.getsource(obj)
     except (OSError, TypeError):
         return None
 
 
-def _module_classes(modules: list[Any]) -> list[type]:
-    """The classes of every Equinox module in the modules' trees, in a stable order."""
-    seen: dict[str, type] = {}
-    stack = list(modules)
-    while stack:
-        x = stack.pop()
-        if isinstance(x, eqx.Module):
-            cls = type(x)
-            seen.setdefault(f"{cls.__module__}.{cls.__qualname__}", cls)
-            stack.extend(getattr(x, f.name, None) for f in dataclasses.fields(x))
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-    return [seen[k] for k in sorted(seen)]
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
-def _code(modules: Sequence[Any], call: Callable) -> str | None:
-    """A hash of the source of the modules' classes (their MROs below `eqx.Module`; Equinox's own
-    classes are covered by its version) and of the call; `None` if any of it cannot be read (a
-    class typed into a REPL), so that a changed class never reads an old plan."""
-    texts = []
-    for cls in _module_classes(list(modules)):
-        texts += [_source(base) for base in cls.__mro__
-                  if issubclass(base, eqx.Module) and not base.__module__.startswith("equinox")]
-    texts.append(_source(call))
-    if None in texts:
-        return None
-    return hashlib.sha256("\0".join(t for t in texts if t is not None).encode()).hexdigest()
+def _program(jaxpr: Any) -> str:
+    """A hash of a traced program's text (memory addresses removed): what the step computes,
+    static arguments, helper functions and fields of the modules included."""
+    return hashlib.sha256(_ADDRESS.sub("", str(jaxpr)).encode()).hexdigest()
 
 
-def _loss_text(loss: Any) -> str | None:
-    fn = getattr(loss, "fn", None)
-    if fn is None:
-        return repr(loss)  # the built-in losses are frozen dataclasses with a stable repr
-    text = _source(fn)
-    return None if text is None else repr((text, repr(getattr(loss, "args", None))))
+def _avals_text(avals: Sequence[Any]) -> list:
+    return [(tuple(a.shape), str(a.dtype), bool(getattr(a, "weak_type", False)),
+             _ADDRESS.sub("", str(getattr(a, "sharding", None)))) for a in avals]
 
 
-def _key_text(signature: str, code: str | None, config: Any, extra: tuple = ()) -> str | None:
+def _key_text(signature: Any, config: Any, extra: tuple = ()) -> str | None:
     """The text of a disk key, or `None` when some part of it has no stable text."""
     if any(o not in DEFAULT_MENU for o in config.policies) or config.plan is not None:
         return None
-    losses = [_loss_text(loss) for loss in config.losses]
     blocks = None if config.blocks is None else _source(config.blocks)
-    if None in losses or code is None or (config.blocks is not None and blocks is None):
+    if config.blocks is not None and blocks is None:
         return None
     from . import __version__
 
     devices = [(d.platform, d.device_kind) for d in jax.devices()]
     return repr((FORMAT, __version__, _own_source(), jax.__version__, _jaxlib_version(), eqx.__version__,
-                 os.environ.get("XLA_FLAGS", ""), devices, signature, code, config.budget_bytes,
+                 os.environ.get("XLA_FLAGS", ""), devices, signature, config.budget_bytes,
                  [o.name for o in config.policies], blocks, config.calibrate, config.verify,
-                 config.scan_segments, config.nested, losses, extra))
+                 config.scan_segments, config.nested, extra))
 
 
-def plan_key(call: Callable, signature: str, module: Any, config: Any) -> str | None:
-    """The disk key of a decorated module's plan (`None`: not cached)."""
-    return _key_text(signature, _code([module], call), config)
+def plan_key(call: Callable, spec: Any, config: Any) -> str | None:
+    """The disk key of a decorated module's plan (`None`: not cached): the traced forward and
+    each loss on its output, the call's abstract signature, the configuration."""
+    from ._profile import mesh_context
+
+    f = spec.function(call)
+    try:
+        with mesh_context(spec.dynamic):
+            forward = jax.make_jaxpr(f)(*spec.dynamic)
+            out = jax.eval_shape(f, *spec.dynamic)
+            losses = [_program(jax.make_jaxpr(loss)(out, *loss.targets(out))) for loss in config.losses]
+    except Exception as e:  # noqa: BLE001  (no key, no disk cache: planning goes on as usual)
+        logger.debug("smartremat: no disk key for this call (%s)", e)
+        return None
+    signature = (str(spec.treedef), _avals_text(spec.dynamic), spec.in_axes, spec.axis_size,
+                 _ADDRESS.sub("", repr(spec.axis_name)), _program(forward))
+    return _key_text(signature, config, tuple(losses))
 
 
-def step_key(fun: Callable, treedef: Any, avals: Sequence[Any], modules: Sequence[Any], config: Any,
-             options: Any) -> str | None:
-    """The disk key of `smartremat.filter_jit`'s plan of a step: its arguments' structure,
-    shapes, dtypes and shardings, the step's code and its modules' classes."""
-    args = [(tuple(a.shape), str(a.dtype), str(getattr(a, "sharding", None)), bool(getattr(a, "weak_type", False)))
-            for a in avals]
-    return _key_text(repr((str(treedef), args, jax.default_backend())), _code(modules, fun), config,
-                     (repr(options),))
+def step_key(sig: Any, jaxpr: Any, config: Any, extra: tuple) -> str | None:
+    """The disk key of `smartremat.filter_jit`'s plan of a step: the traced step (no remat), its
+    arguments' structure, shapes, dtypes and shardings, the configuration and `extra`."""
+    signature = (str(sig.treedef), _avals_text(sig.avals), _program(jaxpr))
+    return _key_text(signature, config, tuple(_ADDRESS.sub("", repr(e)) for e in extra))
 
 
 def _path(text: str) -> pathlib.Path | None:
@@ -155,9 +145,10 @@ def _path(text: str) -> pathlib.Path | None:
     return None if where is None else where / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.json"
 
 
-def load(text: str | None) -> tuple[Plan, Any] | None:
-    """`(plan, extra)` stored under this key, or `None` (absent, off, unreadable, or another key's)."""
-    from ._serialise import load_plan
+def load(text: str | None) -> tuple[Plan, tuple] | None:
+    """`(plan, assignments)` stored under this key, or `None` (absent, off, unreadable, or
+    another key's)."""
+    from ._serialise import assignment_from_json, load_plan
 
     path = None if text is None else _path(text)
     if path is None or not path.exists():
@@ -168,29 +159,42 @@ def load(text: str | None) -> tuple[Plan, Any] | None:
             return None
         plan = load_plan(data["plan"])
         stages = tuple(Stage(tuple(a), tuple(b), tuple(c), *rest) for a, b, c, *rest in data["stages"])
-        return dataclasses.replace(plan, stages=stages, menu=tuple(data["menu"])), data.get("extra")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        assignments = tuple(assignment_from_json(a) for a in data["assignments"])
+        return dataclasses.replace(plan, stages=stages, menu=tuple(data["menu"])), assignments
+    except Exception as e:  # noqa: BLE001  (a bad file is never fatal: plan again, and overwrite it)
         logger.warning("smartremat: ignoring the unreadable cached plan %s (%s); planning again", path, e)
         return None
 
 
-def store(text: str | None, plan: Plan, extra: Any = None) -> None:
-    """Write `plan` (and the JSON value `extra`) under this key, atomically; a failure to write
-    is logged, never raised."""
-    from ._serialise import plan_to_json
+def store(text: str | None, plan: Plan, assignments: tuple = ()) -> None:
+    """Write `plan` (and `assignments`, one per module call of a step) under this key,
+    atomically. Nothing is written when the plan's paths do not survive JSON (dict keys that
+    are not strings or ints); a failure to write is logged, never raised."""
+    from ._serialise import assignment_from_json, assignment_to_json, plan_to_json
 
     path = None if text is None else _path(text)
     if path is None:
         return
+    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        body = json.dumps({"key": text, "plan": json.loads(plan_to_json(plan)), "extra": extra,
+        saved = [json.loads(json.dumps(assignment_to_json(a))) for a in (plan.assignment, *assignments)]
+        if [assignment_from_json(a) for a in saved] != [plan.assignment, *assignments]:
+            logger.debug("smartremat: this plan's paths do not survive JSON; not cached on disk")
+            return
+        body = json.dumps({"key": text, "plan": json.loads(plan_to_json(plan)), "assignments": saved[1:],
                            "stages": [dataclasses.astuple(st) for st in plan.stages], "menu": list(plan.menu)})
+        path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            tmp = f.name
             f.write(body)
-        os.replace(f.name, path)
-    except OSError as e:
+        os.replace(tmp, path)
+        tmp = None
+    except Exception as e:  # noqa: BLE001  (the cache is an optimisation: planning has succeeded)
         logger.warning("smartremat: could not write the plan cache %s (%s)", path, e)
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def loaded(plan: Plan, seconds: float) -> Plan:

@@ -80,7 +80,7 @@ def _stored_or_made(call: Callable, spec: CallSpec, module: Any, config: Config)
     """The plan from the disk cache (`_disk`) if it holds one for this key, else a new plan,
     stored there."""
     t0 = time.perf_counter()
-    text = _disk.plan_key(call, signature(call, spec), module, config)
+    text = _disk.plan_key(call, spec, config)
     stored = _disk.load(text)
     if stored is None:
         plan = make_plan(call, spec, module, config)

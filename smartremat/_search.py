@@ -4,14 +4,14 @@ The candidates are the model's Pareto frontier (sorted by predicted peak, at mos
 `MAX_CANDIDATES` points spread evenly) and the uniform plans. Compiling all of them costs one
 whole-step compile per candidate and loss; `search` compiles only:
 
-1. the lowest-peak frontier point, first. If it fits, the budget is feasible. If it misses, every
-   candidate is compiled (the model's lowest peak is not always the compiler's: fusion and
-   buffer reuse can reorder plans near the floor), and the budget is infeasible if none fits;
-   the error then states the lowest compiled temp of them all;
-2. the uniform plans (they do not depend on the budget, so they are compiled once per
-   signature and cached): after XLA's fusion a uniform policy can take fewer FLOPs than the
-   frontier says (docs/facts.md, fact 9);
-3. frontier points chosen by the model's predicted peak, scaled by the ratio of compiled to
+1. the lowest-peak frontier point and the uniform plans, first, in parallel. If the lowest-peak
+   point fits, the budget is feasible. If it misses, every candidate is compiled (the model's
+   lowest peak is not always the compiler's: fusion and buffer reuse can reorder plans near the
+   floor), and the budget is infeasible if none fits; the error then states the lowest compiled
+   temp of them all. The uniform plans do not depend on the budget (compiled once per signature
+   and cached), and after XLA's fusion a uniform policy can take fewer FLOPs than the frontier
+   says (docs/facts.md, fact 9);
+2. frontier points chosen by the model's predicted peak, scaled by the ratio of compiled to
    predicted bytes measured so far, until the cheapest fitting point is bracketed: it fits and
    the next cheaper point misses (or is the cheapest of all).
 
@@ -119,10 +119,9 @@ def search(points: Sequence[Choice], predicted: Sequence[int], uniforms: Sequenc
     - `confirm`: a choice's compiled figures under every loss (the largest temp), if several.
     """
     compiled = _Compiled(measure, progress, confirm)
-    compiled(points[0])
+    compiled(points[0], *uniforms)  # the uniform plans are needed whether or not the lowest plan fits
     if compiled.figures[points[0]][0] <= budget:
-        first = _guess(points, predicted, compiled.figures, budget, 0, len(points))
-        compiled(*uniforms, points[first])
+        compiled(points[_guess(points, predicted, compiled.figures, budget, 0, len(points))])
     while True:
         _bracket(points, predicted, compiled, budget)
         fits = [(rank(c, f), t, c) for c, (t, f) in compiled.figures.items() if t <= budget]

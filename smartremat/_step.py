@@ -196,8 +196,9 @@ def traced(fun: Callable, sig: Signature, context: Callable[..., _intercept.Step
     return f
 
 
-def record(fun: Callable, sig: Signature, roots: list[tuple[str, Any]]) -> list[RootCall]:
-    """Trace the step once (abstractly) and record each call of an argument module."""
+def record(fun: Callable, sig: Signature, roots: list[tuple[str, Any]]) -> tuple[list[RootCall], Any]:
+    """Trace the step once (abstractly) and record each call of an argument module; also
+    returns the step's jaxpr (no remat)."""
     calls: list[RootCall] = []
     seen: dict = {}
     owners: dict[int, str] = {}
@@ -220,8 +221,8 @@ def record(fun: Callable, sig: Signature, roots: list[tuple[str, Any]]) -> list[
         warnings.filterwarnings("ignore", message="smartremat sees a device mesh")
         box = Box()
         f = traced(fun, sig, context, box)
-        traced_once(lambda: (calls.clear(), seen.clear(), jax.make_jaxpr(f)(*sig.avals)), box, None)
-    return calls
+        jaxpr = traced_once(lambda: (calls.clear(), seen.clear(), jax.make_jaxpr(f)(*sig.avals))[2], box, None)
+    return calls, jaxpr
 
 
 def applying(classes: frozenset, assignments: tuple) -> Callable[[], _intercept.StepContext]:

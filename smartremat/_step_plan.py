@@ -13,7 +13,6 @@ from typing import Any
 import jax
 
 from . import _disk, _planner
-from ._serialise import assignment_from_json, assignment_to_json
 from ._memory import peak_of
 from ._plan import MB, Plan
 from ._solve import min_peak, solve
@@ -101,29 +100,25 @@ def plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], confi
     """The step's plan from the disk cache (`_disk`) if it holds one for this key, else a new
     plan, stored there."""
     t0 = time.perf_counter()
-    text = _disk.step_key(fun, sig.treedef, sig.avals, [m for _, m in roots], config, options)
+    calls, jaxpr = record(fun, sig, roots)
+    if not calls:
+        raise ValueError(_no_module_call(fun, roots, "smartremat.filter_jit"))
+    limit = _device_limit(sig) if options.auto else None  # an automatic budget depends on it
+    text = _disk.step_key(sig, jaxpr, config, (options, limit, AUTO_RESERVE))
     stored = _disk.load(text)
     if stored is not None:
-        plan, extra = stored
-        try:
-            assignments = tuple(assignment_from_json(a) for a in extra)
-        except (TypeError, ValueError) as e:
-            _planner.logger.warning("smartremat: ignoring a cached plan whose assignments are unreadable (%s)", e)
-        else:
-            return Entry(_disk.loaded(plan, time.perf_counter() - t0), assignments,
-                         frozenset(type(m) for _, m in roots), sig)
-    entry = _plan_step(fun, sig, roots, config, options)
-    _disk.store(text, entry.plan, [assignment_to_json(a) for a in entry.assignments])
+        plan, assignments = stored
+        return Entry(_disk.loaded(plan, time.perf_counter() - t0), assignments,
+                     frozenset(type(m) for _, m in roots), sig)
+    entry = _plan_step(fun, sig, roots, calls, config, options)
+    _disk.store(text, entry.plan, entry.assignments)
     return entry
 
 
-def _plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], config: _planner.Config,
-               options: StepOptions) -> Entry:
+def _plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], calls: list,
+               config: _planner.Config, options: StepOptions) -> Entry:
     """Record the module calls, build and join their models, verify candidates on the step."""
     t0 = time.perf_counter()
-    calls = record(fun, sig, roots)
-    if not calls:
-        raise ValueError(_no_module_call(fun, roots, "smartremat.filter_jit"))
     labels = [c.label for c in calls]
     progress = _planner.progress_log(getattr(fun, "__qualname__", "step"), t0)
     model = joined_model([_planner.build_model(c.call, c.spec, c.spec.rebuild(c.spec.dynamic)[0], config, progress)

@@ -94,31 +94,92 @@ def test_anything_the_plan_depends_on_makes_a_new_plan(disk, monkeypatch, change
     assert len(list(disk.glob("*.json"))) == 2
 
 
-def test_the_modules_code_is_part_of_the_key(tmp_path, monkeypatch):
-    """Two classes of the same name, module and fields whose `__call__` differs give different keys."""
-    keys = []
-    for n, body in enumerate(("return self.linear(x)", "return jax.nn.relu(self.linear(x))")):
-        folder = tmp_path / str(n)
-        folder.mkdir()
-        (folder / "usermodel.py").write_text(textwrap.dedent(f"""
-            import equinox as eqx, jax
-            class Block(eqx.Module):
-                linear: eqx.nn.Linear
-                def __call__(self, x):
-                    {body}
-        """))
-        monkeypatch.syspath_prepend(str(folder))
-        sys.modules.pop("usermodel", None)
-        import usermodel
-
-        block = usermodel.Block(eqx.nn.Linear(4, 4, key=jax.random.key(0)))
-        keys.append(_disk._code([block], type(block).__call__))
+def _user_module(tmp_path, monkeypatch, n, body):
+    """`usermodel.Block` from its own file: same name, module and fields, `__call__` as given."""
+    folder = tmp_path / f"src{n}"
+    folder.mkdir()
+    (folder / "usermodel.py").write_text(textwrap.dedent(f"""
+        import equinox as eqx, jax
+        class Block(eqx.Module):
+            linear: eqx.nn.Linear
+            depth: int = eqx.field(static=True, default=1)
+            def __call__(self, x):
+                for _ in range(self.depth):
+                    x = {body}
+                return x
+    """))
+    monkeypatch.syspath_prepend(str(folder))
     sys.modules.pop("usermodel", None)
-    assert None not in keys and keys[0] != keys[1]
-    namespace: dict = {}
-    exec("import equinox as eqx\nclass Typed(eqx.Module):\n    def __call__(self, x):\n        return x", namespace)
-    typed = namespace["Typed"]()  # as typed into a REPL: no source to read, so never cached
-    assert _disk._code([typed], type(typed).__call__) is None
+    import usermodel
+
+    sys.modules.pop("usermodel", None)
+    return usermodel.Block
+
+
+class Outer(eqx.Module):
+    inner: eqx.Module
+
+    def __call__(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("change", ["code", "static_field"])
+def test_the_traced_program_is_part_of_the_key(disk, tmp_path, monkeypatch, change):
+    """A changed `__call__`, or a static field that changes what runs, is a new plan."""
+    x = jnp.ones(16)
+    linear = eqx.nn.Linear(16, 16, key=jax.random.key(0))
+    first = _user_module(tmp_path, monkeypatch, 0, "jax.numpy.tanh(self.linear(x))")
+    if change == "code":
+        second = _user_module(tmp_path, monkeypatch, 1, "jax.nn.relu(self.linear(x))")(linear)
+    else:
+        second = first(linear, depth=3)
+    assert _plan(Outer(first(linear)), x, budget_mb=1.0).compiles > 0
+    smartremat.clear_caches()
+    assert _plan(Outer(second), x, budget_mb=1.0).compiles > 0, "read the other module's plan"
+    assert len(list(disk.glob("*.json"))) == 2
+
+
+def test_a_static_argument_of_the_step_is_part_of_the_key(disk):
+    model, x = _model()
+
+    def step(model, x, n):  # `n` is static for filter_jit: it changes the program, not the arrays
+        return eqx.filter_grad(lambda m: jnp.mean(m(jnp.tile(x, (n, 1))) ** 2))(model)
+
+    plans = []
+    for n in (1, 4):
+        smartremat.clear_caches()
+        plans.append(smartremat.explain(smartremat.filter_jit(step, budget_mb=0.3), model, x, n))
+    assert all(p.compiles > 0 for p in plans) and len(list(disk.glob("*.json"))) == 2
+
+
+def test_an_automatic_budget_is_keyed_by_the_device_limit(disk, monkeypatch):
+    from smartremat import _step_plan
+
+    model, x = _model()
+    plans = []
+    for limit in (64 * 2**20, 32 * 2**20):
+        monkeypatch.setattr(_step_plan, "_device_limit", lambda sig, limit=limit: limit)
+        smartremat.clear_caches()
+        plans.append(smartremat.explain(smartremat.filter_jit(_step, budget_mb="auto"), model, x))
+    assert all(p.compiles > 0 for p in plans) and plans[0].budget_bytes > plans[1].budget_bytes
+
+
+class TupleKeyed(eqx.Module):
+    blocks: dict
+
+    def __call__(self, x):
+        for k in sorted(self.blocks):
+            x = self.blocks[k](x)
+        return x
+
+
+def test_paths_that_do_not_survive_json_are_not_stored(disk):
+    """Dict keys that are tuples come back from JSON as lists: such a plan is made, not cached."""
+    model, x = _model()
+    keyed = TupleKeyed({("enc", i): layer for i, layer in enumerate(model.layers)})
+    plan = _plan(keyed, x, budget_mb=0.05)
+    assert plan.compiles > 0 and any(isinstance(step[1], tuple) for path, _ in plan.assignment for step in path)
+    assert list(disk.glob("*")) == []
 
 
 def test_off_and_unstable_keys_store_nothing(disk, monkeypatch):
@@ -141,6 +202,9 @@ def test_an_unreadable_or_foreign_file_is_ignored(disk, caplog):
         again = _plan(model, x)
     assert again.compiles > 0 and "ignoring the unreadable cached plan" in caplog.text
     data = json.loads(path.read_text())  # rewritten whole
+    path.write_text("[1, 2]")  # JSON, but not a plan
+    smartremat.clear_caches()
+    assert _plan(model, x).compiles > 0
     data["key"] = "another key"
     path.write_text(json.dumps(data))
     smartremat.clear_caches()

@@ -74,6 +74,30 @@ def test_with_several_losses_the_largest_temp_decides_and_is_compiled_only_where
     assert out.confirmed <= len(asked)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 60)), min_size=1, max_size=16),
+       st.lists(st.integers(1, 400), min_size=1, max_size=16),
+       st.lists(st.tuples(st.integers(1, 400), st.integers(0, 60)), max_size=3), st.integers(0, 400),
+       st.booleans())
+def test_whatever_the_compiler_says_the_choice_fits_and_a_refusal_states_the_true_floor(
+        frontier, predicted, uniforms, budget, several_losses):
+    """Temps in any order along the frontier, any predictions: the search ends, its choice fits
+    under every loss, each candidate is compiled once, and a refused budget is below every candidate."""
+    n = len(frontier)
+    predicted = sorted((predicted * n)[:n])
+    temps = [t for t, _ in frontier]
+    exact = {(i,): t + (extra if several_losses else 0) for i, (t, extra) in enumerate(frontier)}
+    exact.update({(100 + j,): t + (extra if several_losses else 0) for j, (t, extra) in enumerate(uniforms)})
+    floor = min(exact.values())
+    try:
+        out, asked, _ = _run(temps, predicted, [t for t, _ in uniforms], budget, exact=exact)
+    except ValueError as e:
+        assert budget < floor and str(e) == f"floor {floor}"
+        return
+    assert exact[out.choice] == out.compiled[0] <= budget
+    assert len(asked) == len(set(asked))
+
+
 def test_a_plan_that_fits_the_first_loss_only_is_refuted():
     temps = list(range(10, 170, 10))
     exact = {(i,): t + (30 if i == 8 else 0) for i, t in enumerate(temps)} | {(100,): 10, (101,): 160}
