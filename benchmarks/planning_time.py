@@ -8,8 +8,9 @@ First call (per quick benchmark model, `benchmarks/run.py --quick` sizes): the p
 step's compile time; smartremat's first-call planning at the budget halfway between full remat's
 and no remat's compiled temp bytes, verified on the benchmark's loss (`loss=`), with empty caches
 and the disk cache off; its whole-step compiles; the model error |predicted - compiled| /
-compiled of the uniform plans and the chosen plan; and the planning time of a second process that
-reads the plan from the disk cache written by a first.
+compiled of the uniform plans and the chosen plan; the planning time of a second process that
+reads the plan from the disk cache written by a first; and first-call planning with the
+decorator's default losses (no `loss=`: squared error and two cross-entropies), with its compiles.
 
 The model is built with `eqx.filter_eval_shape`, so no parameter memory is allocated: the
 whole plan is made on abstract values. `calibrate=False, verify=False` is the compile-free
@@ -48,10 +49,12 @@ MENU_NAME = {"none": "none", "dots": "dots_saveable", "dots_nb": "dots_with_no_b
              "full": "nothing_saveable"}
 
 
-def _planned(name: str, budget_mb: float) -> tuple[float, smartremat.Plan]:
-    """`(seconds, plan)` of planning the quick model `name` at `budget_mb` in this process."""
+def _planned(name: str, budget_mb: float, own_loss: bool = True) -> tuple[float, smartremat.Plan]:
+    """`(seconds, plan)` of planning the quick model `name` at `budget_mb` in this process, on
+    the benchmark's loss (`loss=`) or on the decorator's default losses."""
     case = build(name, "quick")
-    wrapped = smartremat.smartremat(budget_mb=budget_mb, **exact(case.model, case.x))(case.model)
+    options = exact(case.model, case.x) if own_loss else {}
+    wrapped = smartremat.smartremat(budget_mb=budget_mb, **options)(case.model)
     t0 = time.perf_counter()
     plan = smartremat.explain(wrapped, case.x)
     return time.perf_counter() - t0, plan
@@ -82,7 +85,9 @@ def first_call(name: str) -> dict:
     errors = [abs(predicted[p] - temps[p]) / temps[p] for p in MENU_NAME]
     errors.append(abs(plan.predicted_peak_bytes - plan.compiled_peak_bytes) / plan.compiled_peak_bytes)
     again, again_compiles = second_process(name, budget_mb)
-    return {"model": name, "plain_compile_s": plain, "budget_mb": budget_mb, "planning_s": seconds,
+    smartremat.clear_caches()
+    default_s, default_plan = _planned(name, budget_mb, own_loss=False)
+    return {"default_losses_s": default_s, "default_losses_compiles": default_plan.compiles,"model": name, "plain_compile_s": plain, "budget_mb": budget_mb, "planning_s": seconds,
             "ratio": seconds / plain, "compiles": plan.compiles, "model_error_median": statistics.median(errors),
             "model_error_max": max(errors), "second_process_s": again, "second_process_compiles": again_compiles,
             "fits": plan.compiled_peak_bytes <= plan.budget_bytes}
@@ -119,12 +124,13 @@ def main() -> None:
         return
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cores")
     print(f"{'model':>15} {'plain s':>8} {'budget MB':>10} {'plan s':>8} {'ratio':>6} {'compiles':>9} "
-          f"{'err median':>10} {'err max':>8} {'2nd proc s':>10} {'fits':>5}")
+          f"{'err median':>10} {'err max':>8} {'2nd proc s':>10} {'fits':>5} {'default losses s':>16} {'compiles':>8}")
     for name in args.models:
         r = first_call(name)
         print(f"{r['model']:>15} {r['plain_compile_s']:8.2f} {r['budget_mb']:10.2f} {r['planning_s']:8.2f} "
               f"{r['ratio']:6.1f} {r['compiles']:9d} {r['model_error_median']:10.3f} {r['model_error_max']:8.3f} "
-              f"{r['second_process_s']:10.3f} {str(r['fits']):>5}", flush=True)
+              f"{r['second_process_s']:10.3f} {str(r['fits']):>5} {r['default_losses_s']:16.2f} "
+              f"{r['default_losses_compiles']:8d}", flush=True)
     for calibrate in (False, True):
         times = []
         for _ in range(args.repeat):
