@@ -122,8 +122,7 @@ def plan_key(call: Callable, spec: Any, config: Any) -> str | None:
     f = spec.function(call)
     try:
         with mesh_context(spec.dynamic):
-            forward = jax.make_jaxpr(f)(*spec.dynamic)
-            out = jax.eval_shape(f, *spec.dynamic)
+            forward, out = jax.make_jaxpr(f, return_shape=True)(*spec.dynamic)
             losses = [_program(jax.make_jaxpr(loss)(out, *loss.targets(out))) for loss in config.losses]
     except Exception as e:  # noqa: BLE001  (no key, no disk cache: planning goes on as usual)
         logger.debug("smartremat: no disk key for this call (%s)", e)
