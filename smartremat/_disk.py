@@ -169,7 +169,7 @@ def store(text: str | None, plan: Plan, assignments: tuple = ()) -> None:
     """Write `plan` (and `assignments`, one per module call of a step) under this key,
     atomically. Nothing is written when the plan's paths do not survive JSON (dict keys that
     are not strings or ints); a failure to write is logged, never raised."""
-    from ._serialise import assignment_from_json, assignment_to_json, plan_to_json
+    from ._serialise import assignment_from_json, assignment_to_json, plan_data
 
     path = None if text is None else _path(text)
     if path is None:
@@ -180,7 +180,7 @@ def store(text: str | None, plan: Plan, assignments: tuple = ()) -> None:
         if [assignment_from_json(a) for a in saved] != [plan.assignment, *assignments]:
             logger.debug("smartremat: this plan's paths do not survive JSON; not cached on disk")
             return
-        body = json.dumps({"key": text, "plan": json.loads(plan_to_json(plan)), "assignments": saved[1:],
+        body = json.dumps({"key": text, "plan": plan_data(plan), "assignments": saved[1:],
                            "stages": [dataclasses.astuple(st) for st in plan.stages], "menu": list(plan.menu)})
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:

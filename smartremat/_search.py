@@ -29,13 +29,10 @@ the search goes on.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-
-logger = logging.getLogger("smartremat")
 
 MAX_CANDIDATES = 16
 

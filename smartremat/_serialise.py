@@ -26,11 +26,16 @@ def signature(call: Callable, spec: CallSpec) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def plan_to_json(plan: Plan) -> str:
+def plan_data(plan: Plan) -> dict:
+    """The JSON-ready dict `Plan.save` writes: the figures, the signature and the assignment."""
     data = plan.to_dict()
     data["signature"] = plan.signature
     data["assignment"] = assignment_to_json(plan.assignment)
-    return json.dumps(data, indent=1)
+    return data
+
+
+def plan_to_json(plan: Plan) -> str:
+    return json.dumps(plan_data(plan), indent=1)
 
 
 def assignment_to_json(assignment: tuple) -> list:
