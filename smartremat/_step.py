@@ -260,13 +260,33 @@ def lower_step(fun: Callable, sig: Signature, entry_of: tuple, donate: str) -> t
         return traced_once(lambda: jitted.lower(*sig.avals), box, len(assignments)), box
 
 
+_QUIET_LOCK = threading.Lock()
+_quiet: list[contextlib.AbstractContextManager] = []  # the one filter context while any thread is quiet
+_quiet_depth = [0]
+
+
 @contextlib.contextmanager
 def quiet_donation() -> Iterator[None]:
     """As `eqx.filter_jit(donate="all")` does: donated inputs that no output can reuse (the batch)
-    are fine, not worth a warning."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+    are fine, not worth a warning.
+
+    Candidate plans are lowered and compiled in threads, and `warnings.catch_warnings` swaps a
+    process-wide filter list: a thread leaving it would restore the filters while another is still
+    lowering. So the first thread in installs the filter and the last one out removes it."""
+    with _QUIET_LOCK:
+        if _quiet_depth[0] == 0:
+            context = warnings.catch_warnings()
+            context.__enter__()
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            _quiet.append(context)
+        _quiet_depth[0] += 1
+    try:
         yield
+    finally:
+        with _QUIET_LOCK:
+            _quiet_depth[0] -= 1
+            if _quiet_depth[0] == 0:
+                _quiet.pop().__exit__(None, None, None)
 
 
 def figures_of(compiled: Any) -> StepFigures:

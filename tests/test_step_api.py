@@ -229,3 +229,41 @@ def test_typed_prng_keys_among_the_step_arguments():
     planned = smartremat.filter_jit(noisy, budget_mb=100)
     assert set(planned.plan(model, x, y, keys).policies) == {f"layers[{i}]" for i in range(3)}
     assert tree_allclose(planned(model, x, y, keys), eqx.filter_jit(noisy)(model, x, y, keys), rtol=1e-6)
+
+
+def test_quiet_donation_holds_while_any_thread_is_inside_it():
+    # candidate plans compile in threads: one thread leaving the quiet block must not bring the
+    # donation warning back (an error under pytest's filters) for another still lowering
+    import threading
+    import warnings
+
+    from smartremat._step import quiet_donation
+
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = []
+
+    def a():
+        with quiet_donation():
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def b():
+        a_in.wait(5)
+        with quiet_donation():
+            b_in.set()
+            a_out.wait(5)
+            try:
+                warnings.warn("Some donated buffers were not usable: float32[4]", UserWarning)
+                seen.append("quiet")
+            except UserWarning as e:
+                seen.append(e)
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == ["quiet"]
+    with pytest.raises(UserWarning, match="donated buffers"):
+        warnings.warn("Some donated buffers were not usable: float32[4]", UserWarning)
