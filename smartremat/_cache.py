@@ -19,6 +19,15 @@ def environment_key() -> tuple[str, str]:
     return jax.default_backend(), os.environ.get("XLA_FLAGS", "")
 
 
+def measuring_options() -> dict[str, Any]:
+    """XLA options for the compiles smartremat only measures (profiles, candidate plans), never
+    for a step that runs. On the CPU, LLVM's optimisation level decides code generation only,
+    after the HLO passes and buffer assignment that `memory_analysis()` and `cost_analysis()`
+    read, so level 0 gives the same figures in about half the compile time (docs/fit.md,
+    "Planning time"). Other backends compile as they would anyway."""
+    return {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
+
+
 def barrier_hint() -> str:
     """For an error about a budget that is too low: on the CPU without the barrier flag, a
     sentence saying that the figures overstate what remat can save and how to set the flag;

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from ._cache import KeyedCache, environment_key
+from ._cache import KeyedCache, environment_key, measuring_options
 from ._cost import Cost, aval_bytes, jaxpr_cost
 from ._options import NO_REMAT, Option, PolicyError
 from ._spec import CallSpec, scatter
@@ -149,7 +149,7 @@ def compiled_temp(fn: Callable, spec: CallSpec | tuple) -> tuple[int, float]:
     """Compiler's temp bytes and FLOPs of `fn(*spec.dynamic)` (abstract: no device memory)."""
     avals = spec.dynamic if isinstance(spec, CallSpec) else spec
     with mesh_context(avals):
-        compiled = jax.jit(fn).lower(*avals).compile()
+        compiled = jax.jit(fn).lower(*avals).compile(measuring_options())
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     memory = compiled.memory_analysis()

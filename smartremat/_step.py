@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _intercept, _jax_private
 from ._apply import run
-from ._cache import KeyedCache, environment_key
+from ._cache import KeyedCache, environment_key, measuring_options
 from ._decorator import config_of
 from ._profile import mesh_context
 from ._spec import CallSpec, abstract, is_traced, make_spec, merge_leaves
@@ -303,9 +303,11 @@ def step_figures(fun: Callable, sig: Signature, entry_of: tuple, donate: str) ->
     from ._verify import _assignment_key
 
     key = (fun, sig.key(), tuple(_assignment_key(a) for a in entry_of[1]), donate, *environment_key())
-    return _FIGURES.get(key, lambda: figures_of(compile_quietly(lower_step(fun, sig, entry_of, donate)[0])))
+    return _FIGURES.get(key, lambda: figures_of(
+        compile_quietly(lower_step(fun, sig, entry_of, donate)[0], measuring_options())))
 
 
-def compile_quietly(lowered: Any) -> Any:
+def compile_quietly(lowered: Any, options: dict[str, Any] | None = None) -> Any:
+    """`lowered.compile(options)` without the warning about unusable donated buffers."""
     with quiet_donation():
-        return lowered.compile()
+        return lowered.compile(options)

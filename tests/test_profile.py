@@ -10,7 +10,7 @@ import smartremat
 from smartremat import _cost
 from smartremat import smartremat as sr
 
-from tests.models import Transformer, TutorialBlock
+from tests.models import ConvNet, Transformer, TutorialBlock
 
 cp = jax.checkpoint_policies
 
@@ -91,3 +91,30 @@ def test_cost_tables_name_primitives_that_exist():
     silently fall through to the elementwise rule."""
     missing = (_cost._FREE | _cost._MOVEMENT) - _traced_primitive_names()
     assert not missing, f"not primitives of jax {jax.__version__}: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("make", [
+    lambda: (Transformer(2, 64, 4, jax.random.key(0)), jnp.ones((2, 64, 64))),
+    lambda: (ConvNet(2, 8, 10, jax.random.key(0)), jnp.ones((3, 16, 16))),
+], ids=["transformer", "convnet"])
+def test_measuring_compiles_give_the_figures_of_the_compile_that_runs(make, remat):
+    # smartremat measures with `measuring_options()` (on the CPU, LLVM at level 0): the memory and
+    # FLOP figures it reads must be those of the program compiled with default options
+    from smartremat._cache import measuring_options
+
+    model, x = make()
+    policy = cp.dots_saveable if remat else cp.everything_saveable
+
+    def loss(m, x):
+        out = eqx.filter_checkpoint(lambda m, x: m(x), policy=policy)(m, x)
+        return jnp.mean((out - 1.0) ** 2)
+
+    lowered = eqx.filter_jit(eqx.filter_grad(loss)).lower(model, x).lowered
+    default, measuring = lowered.compile(), lowered.compile(measuring_options())
+    for c in (default, measuring):
+        assert c.memory_analysis() is not None
+    figures = [(c.memory_analysis().temp_size_in_bytes, c.memory_analysis().output_size_in_bytes,
+                c.cost_analysis()["flops"]) for c in (default, measuring)]
+    assert figures[0] == figures[1]
+    assert figures[0][0] > 0

@@ -10,6 +10,7 @@ collected before this file have started the CPU backend with one device by then 
 refused once a backend is up), and the other tests' figures are for one device, so the suite
 cannot run on 8 either."""
 
+import fcntl
 import json
 import os
 import subprocess
@@ -21,11 +22,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharded") / "report.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sharded_report.py"), "--quick",
-                    "--json", str(out)], check=True, env=env, cwd=ROOT, timeout=900)
+def report(tmp_path_factory, request):
+    """The report, made once per test run: under pytest-xdist the workers share one file (the
+    first to take the lock writes it; `basetemp`'s parent is this run's folder only then)."""
+    worker = getattr(request.config, "workerinput", {}).get("workerid")
+    folder = tmp_path_factory.getbasetemp().parent if worker else tmp_path_factory.mktemp("sharded")
+    out = folder / "sharded_report.json"
+    with open(folder / "sharded_report.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+            subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sharded_report.py"), "--quick",
+                            "--json", str(out) + ".part"], check=True, env=env, cwd=ROOT, timeout=900)
+            os.replace(str(out) + ".part", out)
     return {r["layout"]: r for r in json.loads(out.read_text())}
 
 
