@@ -266,37 +266,54 @@ def _calibration(raw: list[_Measured], spec: CallSpec, n_module: int,
 
     Returns `(peaks, saved)`, or `(None, None)` when not calibrating. `peaks[j]` is the compiled
     temp bytes of the block's gradient alone under option `j`. When the block's output can feed
-    its first argument, `saved[j]` comes from two copies in a row, the first under option `j`
-    and the second without remat: temp = saved[j] + peaks[none] whenever the second block's
-    backward is the peak (else `saved[j]` is None and the jaxpr count stands).
+    its first argument, `saved[j]` is measured on copies in a row, each with its own parameters,
+    the last one without remat (so that its backward, run while the copies before it keep their
+    bytes, is the peak):
+
+    - `temp(j, j, none) - temp(j, none)`: what one more copy under `j` adds, with its input a
+      temporary as in a stack, and after XLA placed what it could in the copy's own gradient
+      buffers, which are written later (docs/facts.md, fact 11: under `dots_saveable` the tutorial
+      block keeps nothing in the temp bytes);
+    - `temp(j, none) - peaks[none]`, when `temp(j, none) > peaks[j]`.
+
+    Each overstates in some programs (a short chain has buffers a long stack shares), so the
+    smaller counts (docs/fit.md, "Model error").
     """
     if not calibrate:
         return None, None
     jobs = [(grad_step(m.f, spec), spec.dynamic) for m in raw]
     chain_at = _chainable(raw[0].f, spec, n_module)
     if chain_at is not None:
-        jobs += [_chain_job(m.f, raw[0].f, spec, n_module, chain_at) for m in raw]
+        jobs += [_chain_job([m.f] * k + [raw[0].f], spec, n_module, chain_at) for m in raw for k in (1, 2)]
     workers = max(1, min(len(jobs), os.cpu_count() or 1))
     with ThreadPoolExecutor(workers) as pool:
         temps = [t for t, _ in pool.map(lambda job: compiled_temp(*job), jobs)]
     peaks = temps[: len(raw)]
     if chain_at is None:
         return peaks, [None] * len(raw)
-    saved = [t - peaks[0] if t > peaks[j] else None for j, t in enumerate(temps[len(raw):])]
+    chains = temps[len(raw):]
+    saved = []
+    for j in range(len(raw)):
+        one, two = chains[2 * j], chains[2 * j + 1]
+        estimates = [two - one] + ([one - peaks[0]] if one > peaks[j] else [])
+        saved.append(min(estimates))
     return peaks, saved
 
 
-def _chain_job(f: Callable, g: Callable, spec: CallSpec, n_module: int, chain_at: int) -> tuple[Callable, tuple]:
-    """Gradient step of `f` then `g` (two copies of the block), each with its own parameters."""
+def _chain_job(fs: Sequence[Callable], spec: CallSpec, n_module: int, chain_at: int) -> tuple[Callable, tuple]:
+    """Gradient step of the block's copies `fs` in a row, each with its own parameters."""
     n = len(spec.dynamic)
-    avals = spec.dynamic + spec.dynamic[:n_module]
+    avals = tuple(spec.dynamic) + tuple(spec.dynamic[:n_module]) * (len(fs) - 1)
     diff_idx = [i for i, d in enumerate(avals) if _is_float(d)]
 
     def loss(leaves: Sequence[Any]) -> jax.Array:
-        first = leaves[:n]
-        second = list(leaves[n:]) + list(first[n_module:])
-        second[chain_at] = f(*first)
-        return _loss(g(*second))
+        rest = list(leaves[n_module:n])
+        x = fs[0](*leaves[:n])
+        for k, f in enumerate(fs[1:]):
+            args = list(leaves[n + k * n_module: n + (k + 1) * n_module]) + rest
+            args[chain_at] = x
+            x = f(*args)
+        return _loss(x)
 
     def step(*leaves: Any) -> Any:
         def of_diff(d: list[Any]) -> jax.Array:
