@@ -11,6 +11,9 @@ and the disk cache off; its whole-step compiles; the model error |predicted - co
 compiled of the uniform plans and the chosen plan; the planning time of a second process that
 reads the plan from the disk cache written by a first; and first-call planning with the
 decorator's default losses (no `loss=`: squared error and two cross-entropies), with its compiles.
+Then, per model, the compile time of its no-remat and `dots_saveable` steps with the default
+options and with the options smartremat measures with (`_cache.measuring_options`), and whether
+the two give the same temp bytes and FLOPs.
 
 The model is built with `eqx.filter_eval_shape`, so no parameter memory is allocated: the
 whole plan is made on abstract values. `calibrate=False, verify=False` is the compile-free
@@ -39,7 +42,7 @@ import smartremat
 
 from smartremat._memory import Stage
 from smartremat._solve import solve
-from benchmarks.common import compile_step, exact, strategy
+from benchmarks.common import compile_step, exact, grad_step, strategy
 from benchmarks.fit_report import Stack
 from benchmarks.models import GPTBlock
 from benchmarks.run import build
@@ -93,6 +96,27 @@ def first_call(name: str) -> dict:
             "fits": plan.compiled_peak_bytes <= plan.budget_bytes}
 
 
+def measuring_compile(name: str) -> list[str]:
+    """Per uniform plan (no remat, `dots_saveable`) of a quick model: the step's compile time with
+    the default options and with smartremat's measuring options, and whether their temp bytes and
+    FLOPs agree."""
+    from smartremat._cache import measuring_options
+
+    case, rows = build(name, "quick"), []
+    for p in ("none", "dots"):
+        step, params, target = grad_step(strategy(case.model, p, case.where), case.x)
+        lowered = step.lower(params, case.x, target)
+        figures, seconds = [], []
+        for options in (None, measuring_options()):
+            t0 = time.perf_counter()
+            c = lowered.compile(options)
+            seconds.append(time.perf_counter() - t0)
+            figures.append((c.memory_analysis().temp_size_in_bytes, c.cost_analysis()["flops"]))
+        rows.append(f"{name} {p}: compile {seconds[0]:.2f} s default, {seconds[1]:.2f} s measuring "
+                    f"{measuring_options()}; same temp and FLOPs: {figures[0] == figures[1]}")
+    return rows
+
+
 def plan_time(layers: int, calibrate: bool) -> tuple[float, smartremat.Plan]:
     smartremat.clear_caches()
     model = eqx.filter_eval_shape(
@@ -131,6 +155,8 @@ def main() -> None:
               f"{r['ratio']:6.1f} {r['compiles']:9d} {r['model_error_median']:10.3f} {r['model_error_max']:8.3f} "
               f"{r['second_process_s']:10.3f} {str(r['fits']):>5} {r['default_losses_s']:16.2f} "
               f"{r['default_losses_compiles']:8d}", flush=True)
+    for name in args.models:
+        print("\n".join(measuring_compile(name)), flush=True)
     for calibrate in (False, True):
         times = []
         for _ in range(args.repeat):
