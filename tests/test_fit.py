@@ -48,7 +48,6 @@ def case(request):
     user = Batched if vmapped else (lambda m: m)  # what the user's loss calls
     uniforms = {p: compile_step(user(uniform(model, p, where)), x) for p in UNIFORM}
     temps = [uniforms[p][2] for p in ("none", "full")]
-    budgets = np.linspace(max(temps), min(temps), 5)
     run, params = uniforms["none"][:2]
     want = run(params, x)  # gradients of the plain model (its own pytree)
     want = want.model if vmapped else want
