@@ -17,7 +17,7 @@ the two give the same temp bytes and FLOPs.
 
 The model is built with `eqx.filter_eval_shape`, so no parameter memory is allocated: the
 whole plan is made on abstract values. `calibrate=False, verify=False` is the compile-free
-planner; `calibrate=True` adds one small compile per distinct block and policy.
+planner; `calibrate=True` adds up to three small compiles per distinct block and policy.
 """
 
 from __future__ import annotations

@@ -214,8 +214,9 @@ def smartremat(
       `<lambda>#2`); one that raises is reported by name.
     - `blocks`: a function from the module to the sub-module(s) to plan over (as in
       `eqx.tree_at`). Defaults to the sub-modules its forward calls, found automatically.
-    - `calibrate`: ask the compiler for each distinct block's own peak (one small compile per
-      block and policy, no device memory). Without it the model uses jaxpr counts only.
+    - `calibrate`: ask the compiler for each distinct block's own peak and for what it keeps in
+      a stack of its copies (up to three small compiles per block and policy, no device memory).
+      Without it the model uses jaxpr counts only.
     - `verify`: compile the real step for candidate plans (a few of the model's frontier, found
       by a search from its choice, and the uniform plans) and keep the cheapest whose compiled
       temp bytes fit; the compiler, not the model, then guarantees the fit. Plans are cached on
