@@ -11,6 +11,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from . import _intercept
@@ -138,13 +139,15 @@ class BlockCall:
     """One call of a candidate block during the forward, with its abstract signature.
 
     `scan` is set when the call is the body of a top-level `jax.lax.scan`: it then runs
-    `scan.length` times, with the per-iteration signature `spec`.
+    `scan.length` times, with the per-iteration signature `spec`. `ends` is set when the
+    module returns this call's floating outputs as they are, so that the loss is taken on them.
     """
 
     path: Path
     type_name: str
     spec: CallSpec
     scan: ScanSite | None = None
+    ends: bool = False
 
 
 _PROBE_SCOPE = "smartremat_probe_"
@@ -205,6 +208,8 @@ def discover(
     candidates = named_blocks(module, blocks) if blocks is not None else child_modules(module)
     recorded: list[tuple[int, CallSpec | None]] = []
     paths = [p for p, _ in candidates]
+    outputs: list[list] = []  # each call's floating outputs (held, so that their ids stay theirs)
+    ending: list[int] = []  # the call whose floating outputs the module returns, if any
 
     def record(index: int, sub: Any, own: Callable, args: tuple, kwargs: dict) -> Any:
         try:
@@ -214,11 +219,16 @@ def discover(
         serial = len(recorded)
         recorded.append((index, spec))
         with jax.named_scope(f"{_PROBE_SCOPE}{serial}"):
-            return own(sub, *args, **kwargs)
+            out = own(sub, *args, **kwargs)
+        outputs.append(_floating(out))
+        return out
 
     def probed(m: Any, *args: Any, **kwargs: Any) -> Any:  # the traced copies of the sub-modules are watched, not replaced
         with _intercept.routing(m, paths, record):
-            return call(m, *args, **kwargs)
+            out = call(m, *args, **kwargs)
+        final = {id(x) for x in _floating(out)}
+        ending[:] = [k for k, xs in enumerate(outputs) if final and final <= {id(x) for x in xs}][-1:]
+        return out
 
     closed = jax.make_jaxpr(spec.function(probed))(*spec.dynamic)
     sites = _sites(closed.jaxpr)
@@ -230,7 +240,8 @@ def discover(
         if s is not None and site is not None and spec.axis_size is not None and s.axis_size is None:
             s = batched_body(s, spec)
         if s is not None:
-            calls.append(BlockCall(candidates[i][0], type(candidates[i][1]).__name__, s, site))
+            calls.append(BlockCall(candidates[i][0], type(candidates[i][1]).__name__, s, site,
+                                   ends=site is None and serial in ending))
     _check_scans(calls)
     if blocks is not None:
         _warn_uncalled(candidates, {i for i, _ in recorded})
@@ -242,8 +253,12 @@ def discover(
                 "`smartremat(blocks=...)` named sub-modules that the module's forward never "
                 "calls. Name the sub-modules its `__call__` uses."
             )
-        return [BlockCall((), type(module).__name__, spec)]
+        return [BlockCall((), type(module).__name__, spec, ends=True)]
     return calls
+
+
+def _floating(tree: Any) -> list:
+    return [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
 
 
 def _warn_uncalled(candidates: list[tuple[Path, Any]], called: set[int]) -> None:
@@ -277,7 +292,8 @@ def expand_stacks(calls: list[BlockCall], depth: int = 0) -> list[BlockCall]:
         if inner is None:
             out.append(c)
             continue
-        out += expand_stacks([dataclasses.replace(s, path=c.path + s.path) for s in inner], depth + 1)
+        out += expand_stacks([dataclasses.replace(s, path=c.path + s.path, ends=c.ends and s.ends)
+                              for s in inner], depth + 1)
     return out
 
 

@@ -6,7 +6,7 @@ from ._plan import MB, Plan, PlanBlock
 
 
 def _group(blocks: tuple[PlanBlock, ...]) -> list[tuple[str, PlanBlock, int]]:
-    """Consecutive identical blocks (same type, policy, figures) as `path[a:b]  Type xN`."""
+    """Consecutive blocks whose rows read the same (type, policy, figures shown) as `path[a:b]  Type xN`."""
     out: list[tuple[str, PlanBlock, int]] = []
     i = 0
     while i < len(blocks):
@@ -20,7 +20,13 @@ def _group(blocks: tuple[PlanBlock, ...]) -> list[tuple[str, PlanBlock, int]]:
 
 
 def _same(a: PlanBlock, b: PlanBlock) -> bool:
-    return (a.type, a.policy, a.options, a.calls) == (b.type, b.policy, b.options, b.calls)
+    """Whether two blocks' rows read the same: own peaks, which the table does not show, may differ
+    (the block the loss is taken on has a larger one)."""
+    def shown(p: PlanBlock) -> tuple:
+        figures = tuple((o.name, o.saved_bytes, o.recompute_flops, o.merged) for o in p.options)
+        return (p.type, p.policy, p.calls, figures)
+
+    return shown(a) == shown(b)
 
 
 def _range_label(first: str, last: str, n: int) -> str:

@@ -7,7 +7,7 @@ import smartremat
 from smartremat import smartremat as sr
 
 from tests.helpers import tree_allclose
-from tests.models import TutorialBlock
+from tests.models import MLPStack, TutorialBlock, Transformer
 
 
 class Branchy(eqx.Module):
@@ -144,3 +144,19 @@ def test_user_code_sees_its_own_sub_modules(lowest):
 
     grad = eqx.filter_jit(eqx.filter_grad(loss))(wrapped, x)
     assert tree_allclose(grad.module, eqx.filter_grad(loss)(m, x))
+
+
+@pytest.mark.parametrize("make,ends", [
+    (lambda k: MLPStack(3, 8, 16, k), "layers[2]"),  # returns the last layer's output
+    (lambda k: Transformer(2, 16, 2, k), None),  # a layer norm after the last layer
+    (lambda k: TutorialBlock(8, 16, k), "<self>"),  # the module is its own block
+], ids=["stack", "head", "lone"])
+def test_discovery_marks_the_call_whose_outputs_the_module_returns(make, ends):
+    from smartremat._discover import discover, path_str
+    from smartremat._spec import make_spec
+
+    model = make(jax.random.key(0))
+    x = jnp.ones((4, 8, 16)) if isinstance(model, Transformer) else jnp.ones((4, 8))
+    spec = make_spec(model, (x,), {})
+    calls = discover(model, lambda m, *a: m(*a), spec, None)
+    assert [path_str(c.path) for c in calls if c.ends] == ([] if ends is None else [ends])

@@ -14,7 +14,7 @@ hand-written checkpoint of the whole loss where that is larger; arrays that are 
 rounding, below 1e-6 of the largest gradient entry, count as zero); at the lowest, the
 plan recomputes something. For BERT, some budget's plan checkpoints one encoder layer (or part
 of one) on its own. Every check runs and the failures are reported together. The blocks found, planning time,
-budgets and compiled temps are printed (`pytest -s`) and logged to `fit_log`.
+budgets, compiled temps and the model's predicted peaks are printed (`pytest -s`) and logged to `fit_log`.
 """
 
 import os
@@ -144,8 +144,11 @@ def test_real_model_fits_and_equals_the_plain_step(name, fit_log):
         temp = _temp(planned, model, batch)
         got = planned(model, batch)
         policies = {b.path: b.policy for b in plan.blocks}
-        print(f"  budget {budget:.3f} MB: compiled temp {temp / MB:.3f} MB, planned in {wall:.1f} s "
-              f"(plan.planning_seconds {plan.planning_seconds:.1f}), blocks {policies}")
+        error = (plan.predicted_peak_bytes - temp) / temp
+        print(f"  budget {budget:.3f} MB: compiled temp {temp / MB:.3f} MB, predicted "
+              f"{plan.predicted_peak_bytes / MB:.3f} MB (model error {error:+.3f}), planned in {wall:.1f} s "
+              f"(plan.planning_seconds {plan.planning_seconds:.1f}, {plan.compiles} whole-step compiles), "
+              f"blocks {policies}")
         fit_log.append((f"real models, {name}", name, budget, temp / MB, short_plan(policies)))
         if temp > budget * MB:
             failures.append(f"at budget {budget:.3f} MB the compiled temp is {temp / MB:.3f} MB ({policies})")

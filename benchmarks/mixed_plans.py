@@ -1,0 +1,62 @@
+"""Mixed plans against the compiler: the quick tutorial stack (`benchmarks/run.py --quick`) with
+its first k, or its last k, blocks under one policy and the others without remat, k = 0 to all;
+the compiled training step's temp bytes beside smartremat's prediction of the same plan.
+
+    python benchmarks/mixed_plans.py [--model tutorial] [--policies dots full]
+
+A block under remat early in the stack gives the compiler output buffers (its weight gradients,
+written last) to keep later blocks' activations in (docs/facts.md, fact 12); the per-block model
+does not see that, so such plans are over-predicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import UNIFORM, Ckpt, exact, figures  # sets the CPU flag before JAX starts
+
+import equinox as eqx
+import jax
+
+import smartremat
+from benchmarks.run import build
+from smartremat._memory import peak_of
+
+MB = smartremat.MB
+MENU_NAME = {"dots": "dots_saveable", "dots_nb": "dots_with_no_batch_dims_saveable", "full": "nothing_saveable"}
+
+
+def mixed(model, where, policy: str, chosen: list[bool]):
+    """`model` with the blocks where `chosen` is true under `policy`, the others without remat."""
+    blocks = list(where(model))
+    return eqx.tree_at(where, model, [Ckpt(b, UNIFORM[policy]) if c else b for b, c in zip(blocks, chosen)])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tutorial")
+    ap.add_argument("--policies", nargs="*", default=["dots", "full"], choices=list(MENU_NAME))
+    args = ap.parse_args()
+    case = build(args.model, "quick")
+    n = len(list(case.where(case.model)))
+    plan = smartremat.explain(smartremat.smartremat(budget_mb=1e6, verify=False, **exact(case.model, case.x))(
+        case.model), case.x)
+    menu = list(plan.menu)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; quick {args.model}, {n} blocks; "
+          "compiled / predicted temp MB")
+    for policy in args.policies:
+        index = menu.index(MENU_NAME[policy])
+        for k in range(n + 1):
+            row = []
+            for chosen in ([i < k for i in range(n)], [i >= n - k for i in range(n)]):
+                compiled = figures(mixed(case.model, case.where, policy, chosen), case.x)[0]
+                predicted = peak_of(plan.stages, [index if c else 0 for c in chosen]) + plan.fixed_bytes
+                row.append(f"{compiled / MB:7.3f} / {predicted / MB:7.3f}")
+            print(f"{policy:>7} k={k}: first k {row[0]}   last k {row[1]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
