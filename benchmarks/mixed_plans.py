@@ -35,6 +35,17 @@ def mixed(model, where, policy: str, chosen: list[bool]):
     return eqx.tree_at(where, model, [Ckpt(b, UNIFORM[policy]) if c else b for b, c in zip(blocks, chosen)])
 
 
+def _stage_blocks(plan, model, blocks: list) -> list[int | None]:
+    """Per stage of the plan (one per block call, in call order, with `nested=False`), the index
+    of its block among `blocks` (`None` for a block outside them: a stem, a head)."""
+    assert len(plan.blocks) == len(plan.stages) and all(b.calls == 1 for b in plan.blocks), "one call per block"
+    out = []
+    for row in plan.blocks:
+        node = eval("m." + row.path, {}, {"m": model})  # a path such as `layers[3]` or `blocks[0].conv`
+        out.append(next((i for i, b in enumerate(blocks) if b is node), None))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tutorial")
@@ -42,9 +53,10 @@ def main() -> None:
     args = ap.parse_args()
     case = build(args.model, "quick")
     n = len(list(case.where(case.model)))
-    plan = smartremat.explain(smartremat.smartremat(budget_mb=1e6, verify=False, **exact(case.model, case.x))(
-        case.model), case.x)
+    plan = smartremat.explain(smartremat.smartremat(budget_mb=1e6, verify=False, nested=False,
+                                                    **exact(case.model, case.x))(case.model), case.x)
     menu = list(plan.menu)
+    stage_of = _stage_blocks(plan, case.model, list(case.where(case.model)))
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; quick {args.model}, {n} blocks; "
           "compiled / predicted temp MB")
     for policy in args.policies:
@@ -53,7 +65,8 @@ def main() -> None:
             row = []
             for chosen in ([i < k for i in range(n)], [i >= n - k for i in range(n)]):
                 compiled = figures(mixed(case.model, case.where, policy, chosen), case.x)[0]
-                predicted = peak_of(plan.stages, [index if c else 0 for c in chosen]) + plan.fixed_bytes
+                choice = [index if b is not None and chosen[b] else 0 for b in stage_of]
+                predicted = peak_of(plan.stages, choice) + plan.fixed_bytes
                 row.append(f"{compiled / MB:7.3f} / {predicted / MB:7.3f}")
             print(f"{policy:>7} k={k}: first k {row[0]}   last k {row[1]}", flush=True)
 

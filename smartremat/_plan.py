@@ -58,7 +58,9 @@ class Plan:
     docs: what the budget means). `predicted_*` figures come from smartremat's model;
     `compiled_peak_bytes` and `compiled_flops` from the compiler, when the plan was verified;
     `compiles` is how many whole-step compiles verification asked for (candidates times losses;
-    those already cached in this process cost nothing).
+    those already cached in this process cost nothing); `checked` holds, per candidate plan it
+    compiled, the model's predicted peak and the compiled temp bytes (the largest over the losses
+    where it was compiled under all of them).
     """
 
     budget_bytes: int
@@ -80,6 +82,7 @@ class Plan:
     stages: tuple[Stage, ...] = field(default=(), compare=False, repr=False)
     menu: tuple[str, ...] = field(default=(), compare=False, repr=False)
     signature: str = ""
+    checked: tuple[tuple[int, int], ...] = ()
 
     def to_dict(self) -> dict:
         """A JSON-serialisable dict (MB are 2**20 bytes)."""
@@ -96,6 +99,7 @@ class Plan:
             "compiled_flops": self.compiled_flops,
             "planning_s": self.planning_seconds,
             "compiles": self.compiles,
+            "checked_mb": [[p / MB, c / MB] for p, c in self.checked],
             "backend": self.backend,
             "notes": list(self.notes),
             "blocks": [b.to_dict() for b in self.blocks],

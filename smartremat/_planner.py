@@ -28,7 +28,7 @@ from ._solve import Solution, frontier, min_peak, solve
 from ._serialise import signature
 from ._spec import CallSpec, shardings_hidden
 from ._verify import DEFAULT_LOSSES, compiled_step
-from ._search import MAX_CANDIDATES, Outcome, search, spread
+from ._search import MAX_CANDIDATES, Estimates, Outcome, search, spread
 
 logger = logging.getLogger("smartremat")
 
@@ -113,8 +113,16 @@ def _available(calls: tuple[BlockCall, ...], profiles: tuple, menus: tuple) -> t
 
 
 def uniform(model: MemoryModel, option: Option) -> tuple[int, ...]:
-    """The choice giving every block `option` (no remat where it failed for a block)."""
-    return tuple(next((i for i, p in enumerate(model.menus[ci]) if p == option), 0) for ci in model.owner)
+    """The choice giving every block `option` (no remat where it failed for a block), or the
+    option it was merged into for a block (the same residuals, so the same program), so that
+    uniform plans that are one program are one choice."""
+    out = []
+    for ci in model.owner:
+        menu = model.menus[ci]
+        found = _find_option(model.profiles[ci], option)
+        same = found.option if found is not None else NO_REMAT
+        out.append(next((i for i, p in enumerate(menu) if p == same), 0))
+    return tuple(out)
 
 
 def build_model(call: Callable, spec: CallSpec, module: Any, config: Config,
@@ -286,9 +294,9 @@ def verified(model: MemoryModel, config: Config, measure: Callable, error: Calla
 
     Candidates are the model's Pareto frontier (at most `MAX_CANDIDATES` points, spread evenly;
     above `_MAX_FRONTIER_STAGES` stages, where enumerating it is too slow, only the lowest-peak
-    choice `lowest` and the model's choice `sol`) and every uniform plan. "Cheapest" is the
-    fewest compiled FLOPs, or the model's FLOPs when a block is scanned (XLA's cost analysis
-    counts a loop body once, docs/facts.md fact 7).
+    choice `lowest` and the model's choice `sol`) and the uniform plans the model does not rule
+    out (`_search`). "Cheapest" is the fewest compiled FLOPs, or the model's FLOPs when a block
+    is scanned (XLA's cost analysis counts a loop body once, docs/facts.md fact 7).
     """
     stages = model.stages
     front = frontier(stages) if len(stages) <= _MAX_FRONTIER_STAGES else sorted({lowest, sol}, key=lambda s: s.peak)
@@ -298,9 +306,14 @@ def verified(model: MemoryModel, config: Config, measure: Callable, error: Calla
     def rank(choice: tuple[int, ...], flops: float) -> float:
         return cost_of(stages, choice) if looped else flops
 
-    out = search([p.choice for p in points], [p.peak + model.fixed_bytes for p in points],
-                 list(dict.fromkeys(uniform(model, p) for p in config.policies)), config.budget_bytes,
-                 measure, rank, error, progress, confirm)
+    def peak(choice: tuple[int, ...]) -> float:
+        return peak_of(stages, choice) + model.fixed_bytes
+
+    def flops(choice: tuple[int, ...]) -> float:
+        return cost_of(stages, choice)
+
+    out = search([p.choice for p in points], list(dict.fromkeys(uniform(model, p) for p in config.policies)),
+                 Estimates(peak, flops), config.budget_bytes, measure, rank, error, progress, confirm)
     return Solution(out.choice, peak_of(stages, out.choice), cost_of(stages, out.choice)), out
 
 
@@ -380,6 +393,7 @@ def assemble(model: MemoryModel, config: Config, sol: Solution, lowest: Solution
         fixed_bytes=fixed,
         planning_seconds=seconds,
         compiles=0 if outcome is None else len(outcome.measured) + outcome.confirmed * (len(config.losses) - 1),
+        checked=() if outcome is None else outcome.checked,
         backend=jax.default_backend(),
         notes=tuple(_notes(model, sol)),
         assignment=assignment_of(model, sol.choice),

@@ -4,21 +4,28 @@ The candidates are the model's Pareto frontier (sorted by predicted peak, at mos
 `MAX_CANDIDATES` points spread evenly) and the uniform plans. Compiling all of them costs one
 whole-step compile per candidate and loss; `search` compiles only:
 
-1. the lowest-peak frontier point and the uniform plans, first, in parallel. If the lowest-peak
-   point fits, the budget is feasible. If it misses, every candidate is compiled (the model's
-   lowest peak is not always the compiler's: fusion and buffer reuse can reorder plans near the
-   floor), and the budget is infeasible if none fits; the error then states the lowest compiled
-   temp of them all. The uniform plans do not depend on the budget (compiled once per signature
-   and cached), and after XLA's fusion a uniform policy can take fewer FLOPs than the frontier
-   says (docs/facts.md, fact 9);
+1. the frontier point the model chooses: the cheapest whose predicted peak fits the budget (the
+   lowest-peak point if none does). If it misses, the next guess (predicted peaks scaled by the
+   compiled/predicted ratio of the nearest compiled point); if that misses too, the lowest-peak
+   point with the guess after. If the lowest-peak point misses, every candidate is compiled (the
+   model's lowest peak is not always the compiler's: fusion and buffer reuse can reorder plans
+   near the floor), and the budget is infeasible if none fits; the error then states the lowest
+   compiled temp of them all;
 2. frontier points chosen by the model's predicted peak, scaled by the ratio of compiled to
-   predicted bytes measured so far, until the cheapest fitting point is bracketed: it fits and
-   the next cheaper point misses (or is the cheapest of all).
+   predicted bytes of the nearest compiled point, until the cheapest fitting point is bracketed:
+   it fits, and the next cheaper point misses, compiled or by more than `MISS_MARGIN` of the
+   budget as predicted (or it is the cheapest of all);
+3. the uniform plans that could win: their predicted peak, scaled by the smallest ratio seen,
+   fits within `FIT_MARGIN` of the budget, and the model's FLOPs exceed the best fitting
+   candidate's by at most `WIN_MARGIN` of its compiled FLOPs. After XLA's fusion a uniform
+   policy can take fewer FLOPs than the model says (docs/facts.md, fact 9): by 0.7% of the step
+   at most on the quick benchmark models.
 
 Among the candidates compiled for this budget that fit, the one with the fewest compiled FLOPs
-wins (the model's FLOPs when a block is scanned: XLA counts a loop body once). Fit, and never
-costing more than a fitting uniform plan, are therefore read off the compiler. Which candidates
-are compiled depends only on the budget and the signature, never on what was planned before.
+wins (the model's FLOPs when a block is scanned: XLA counts a loop body once). Fit is therefore
+read off the compiler; so is never costing more than a uniform plan that fits, among those the
+model does not rule out. Which candidates are compiled depends only on the budget and the
+signature, never on what was planned before.
 
 With several losses (the decorator without `loss=`), the search compiles each candidate under
 the first loss only; a candidate's temp bytes under every loss (the largest counts) are compiled
@@ -35,6 +42,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 MAX_CANDIDATES = 16
+#: A frontier point predicted (scaled) to miss the budget by more than this share is not compiled.
+MISS_MARGIN = 0.05
+#: A uniform plan is compiled if its scaled predicted peak is within this share above the budget...
+FIT_MARGIN = 0.10
+#: ... and the model's FLOPs exceed the best fitting candidate's by at most this share of its own.
+WIN_MARGIN = 0.02
 
 Choice = tuple[int, ...]
 
@@ -42,12 +55,14 @@ Choice = tuple[int, ...]
 @dataclass(frozen=True)
 class Outcome:
     """What the search found: the chosen candidate, its compiled `(temp, flops)`, the candidates
-    it compiled (under the first loss), and how many of them it also compiled under every loss."""
+    it compiled (under the first loss), how many of them it also compiled under every loss, and
+    each compiled candidate's predicted peak beside its compiled temp bytes."""
 
     choice: Choice
     compiled: tuple[int, float]
     measured: tuple[Choice, ...]
     confirmed: int = 0
+    checked: tuple[tuple[int, int], ...] = ()  # (predicted peak, compiled temp) per candidate compiled
 
 
 def spread(front: Sequence, n: int) -> list:
@@ -99,7 +114,15 @@ class _Compiled:
         return best
 
 
-def search(points: Sequence[Choice], predicted: Sequence[int], uniforms: Sequence[Choice], budget: int,
+@dataclass(frozen=True)
+class Estimates:
+    """What the model says of candidates: predicted peak bytes and recompute FLOPs."""
+
+    peak: Callable[[Choice], float]
+    flops: Callable[[Choice], float]
+
+
+def search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimates, budget: int,
            measure: Callable[[Choice], tuple[int, float]], rank: Callable[[Choice, float], float],
            error: Callable[[int], Exception], progress: Callable[[str], None],
            confirm: Callable[[Choice], tuple[int, float]] | None = None) -> Outcome:
@@ -108,42 +131,78 @@ def search(points: Sequence[Choice], predicted: Sequence[int], uniforms: Sequenc
     **Arguments:**
 
     - `points`: frontier choices sorted by predicted peak, lowest first (so costliest first).
-    - `predicted`: their predicted peaks (bytes), ascending.
     - `uniforms`: the uniform plans' choices.
+    - `model`: the model's predicted peak (bytes) and FLOPs of a choice.
     - `measure`: a choice's compiled `(temp bytes, flops)` (under the first loss).
     - `rank`: the figure to minimise, from a choice and its compiled FLOPs.
     - `error`: the exception to raise, given the lowest compiled temp, when nothing fits.
     - `confirm`: a choice's compiled figures under every loss (the largest temp), if several.
     """
     compiled = _Compiled(measure, progress, confirm)
-    compiled(points[0], *uniforms)  # the uniform plans are needed whether or not the lowest plan fits
-    if compiled.figures[points[0]][0] <= budget:
-        compiled(points[_guess(points, predicted, compiled.figures, budget, 0, len(points))])
+    predicted = [model.peak(p) for p in points]
+    guess = _guess(points, predicted, {}, budget, 0, len(points))
+    compiled(points[guess])
+    for _ in range(2):  # missed: the next guess; missed again: with the lowest-peak point
+        if compiled.figures[points[guess]][0] <= budget or guess == 0:
+            break
+        guess = _guess(points, predicted, compiled.figures, budget, 0, guess)
+        compiled(points[guess], *([points[0]] if _ else []))
     while True:
         _bracket(points, predicted, compiled, budget)
-        fits = [(rank(c, f), t, c) for c, (t, f) in compiled.figures.items() if t <= budget]
-        if not fits:
+        best = _best(compiled, budget, rank)
+        if best is not None:
+            compiled(*_could_win(uniforms, model, compiled, points, predicted, budget, best, rank))
+            best = _best(compiled, budget, rank)
+        if best is None:
             everything = (*uniforms, *points)
             if all(c in compiled.figures for c in everything):
                 raise error(compiled.floor())
             compiled(*everything)  # the model's lowest plan is not the compiler's: try them all
             continue
-        choice = min(fits)[2]
-        if compiled.exact(choice) <= budget:
-            return Outcome(choice, compiled.figures[choice], tuple(compiled.figures), len(compiled.confirmed))
+        if compiled.exact(best) <= budget:
+            checked = tuple((int(model.peak(c)), t) for c, (t, _) in compiled.figures.items())
+            return Outcome(best, compiled.figures[best], tuple(compiled.figures), len(compiled.confirmed), checked)
 
 
-def _bracket(points: Sequence[Choice], predicted: Sequence[int], compiled: _Compiled, budget: int) -> None:
-    """Compile frontier points until a fitting one and the next cheaper one, which misses, are
-    both known (or the cheapest point fits). Interpolation by the calibrated model, falling back
-    to bisection when the bracket does not shrink fast."""
+def _best(compiled: _Compiled, budget: int, rank: Callable[[Choice, float], float]) -> Choice | None:
+    """The compiled candidate that fits (as far as known) with the lowest rank."""
+    fits = [(rank(c, f), t, c) for c, (t, f) in compiled.figures.items() if t <= budget]
+    return min(fits)[2] if fits else None
+
+
+def _could_win(uniforms: Sequence[Choice], model: Estimates, compiled: _Compiled, points: Sequence[Choice],
+               predicted: Sequence[float], budget: int, best: Choice, rank: Callable[[Choice, float], float],
+               ) -> list[Choice]:
+    """The uniform plans not compiled yet that the model does not rule out: they could fit and
+    could cost no more than `best` (see the module docstring)."""
+    ratios = [compiled.figures[p][0] / max(q, 1) for p, q in zip(points, predicted) if p in compiled.figures]
+    scale = min(ratios, default=1.0)
+    t, f = compiled.figures[best]
+    slack = WIN_MARGIN * abs(rank(best, f))
+    return [u for u in uniforms if u not in compiled.figures
+            and model.peak(u) * scale <= budget * (1 + FIT_MARGIN)
+            and model.flops(u) - model.flops(best) <= slack]
+
+
+def _bracket(points: Sequence[Choice], predicted: Sequence[float], compiled: _Compiled, budget: int) -> None:
+    """Compile frontier points until a fitting one is known and the next cheaper one misses,
+    compiled or as predicted by more than `MISS_MARGIN` (or the cheapest point fits).
+    Interpolation by the calibrated model, falling back to bisection when the bracket does not
+    shrink fast."""
     lo, hi = _known_bracket(points, compiled.figures, budget)
     steps = 0
-    while hi - lo > 1:
+    while hi - lo > 1 and not (lo >= 0 and _misses(points, predicted, compiled.figures, budget, lo + 1)):
         i = (lo + hi) // 2 if steps >= 2 else _guess(points, predicted, compiled.figures, budget, lo + 1, hi)
         compiled(points[i])
         lo, hi = _known_bracket(points, compiled.figures, budget)
         steps += 1
+
+
+def _misses(points: Sequence[Choice], predicted: Sequence[float], figures: dict, budget: int, i: int) -> bool:
+    """Whether point `i`, scaled by the compiled/predicted ratio of the nearest compiled point,
+    misses the budget by more than `MISS_MARGIN`."""
+    known = [(abs(k - i), figures[p][0] / max(predicted[k], 1)) for k, p in enumerate(points) if p in figures]
+    return bool(known) and predicted[i] * min(known)[1] > budget * (1 + MISS_MARGIN)
 
 
 def _known_bracket(points: Sequence[Choice], figures: dict, budget: int) -> tuple[int, int]:
@@ -155,7 +214,7 @@ def _known_bracket(points: Sequence[Choice], figures: dict, budget: int) -> tupl
     return lo, hi
 
 
-def _guess(points: Sequence[Choice], predicted: Sequence[int], figures: dict, budget: int,
+def _guess(points: Sequence[Choice], predicted: Sequence[float], figures: dict, budget: int,
            lo: int, hi: int) -> int:
     """The cheapest index in `[lo, hi)` whose predicted peak, scaled by the compiled/predicted
     ratio of the nearest compiled frontier point, fits `budget`."""

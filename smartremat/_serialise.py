@@ -104,7 +104,9 @@ def _plan_of(data: dict) -> Plan:
         blocks=tuple(_block(b) for b in data["blocks"]),
         compiled_peak_bytes=None if data["compiled_peak_mb"] is None else round(data["compiled_peak_mb"] * MB),
         compiled_flops=data["compiled_flops"], fixed_bytes=round(data["fixed_mb"] * MB),
-        planning_seconds=data["planning_s"], compiles=data.get("compiles", 0), backend=data["backend"], notes=tuple(data["notes"]),
+        planning_seconds=data["planning_s"], compiles=data.get("compiles", 0),
+        checked=tuple((round(p * MB), round(c * MB)) for p, c in data.get("checked_mb", [])),
+        backend=data["backend"], notes=tuple(data["notes"]),
         assignment=assignment_from_json(data["assignment"]),
         signature=str(data["signature"]),
     )

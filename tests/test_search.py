@@ -4,17 +4,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smartremat._search import search, spread
+from smartremat._search import Estimates, search, spread
 
 
-def _run(temps, predicted, uniform_temps, budget, flops=None, uniform_flops=0.5, exact=None):
+def _run(temps, predicted, uniform_temps, budget, flops=None, uniform_flops=0.5, exact=None,
+         uniform_predicted=None, model_flops=None):
     """Frontier point i is the choice `(i,)` (temp `temps[i]`, FLOPs falling with i); uniform plan
-    j is `(100 + j,)`. With `exact` (`{choice: temp under every loss}`), `temps` are the first
+    j is `(100 + j,)`. The model predicts `predicted[i]` and `uniform_predicted[j]` (by default
+    the uniform temps scaled like the last frontier point), and FLOPs `model_flops` (by default
+    the compiled ones). With `exact` (`{choice: temp under every loss}`), `temps` are the first
     loss's. Returns the outcome, the choices compiled in order, and the exact table."""
     n = len(temps)
     flops = flops or [float(n - i) for i in range(n)]
     table = {(i,): (temps[i], flops[i]) for i in range(n)}
     table.update({(100 + j,): (t, uniform_flops + j) for j, t in enumerate(uniform_temps)})
+    if uniform_predicted is None:
+        uniform_predicted = [t * predicted[-1] / max(temps[-1], 1) for t in uniform_temps]
+    peaks = {(i,): p for i, p in enumerate(predicted)} | {(100 + j,): p for j, p in enumerate(uniform_predicted)}
+    model_flops = model_flops or {c: f for c, (_, f) in table.items()}
     asked = []
 
     def measure(choice):
@@ -24,9 +31,9 @@ def _run(temps, predicted, uniform_temps, budget, flops=None, uniform_flops=0.5,
     def confirm(choice):
         return exact[choice], table[choice][1]
 
-    out = search([(i,) for i in range(n)], predicted, [(100 + j,) for j in range(len(uniform_temps))],
-                 budget, measure, lambda c, f: f, lambda floor: ValueError(f"floor {floor}"), lambda _: None,
-                 None if exact is None else confirm)
+    out = search([(i,) for i in range(n)], [(100 + j,) for j in range(len(uniform_temps))],
+                 Estimates(peaks.__getitem__, model_flops.__getitem__), budget, measure, lambda c, f: f,
+                 lambda floor: ValueError(f"floor {floor}"), lambda _: None, None if exact is None else confirm)
     if exact is not None:
         table = {c: (exact[c], f) for c, (_, f) in table.items()}
     return out, asked, table
@@ -42,7 +49,7 @@ def _exhaustive(table, budget):
        st.lists(st.integers(1, 400), max_size=3), st.integers(0, 400))
 def test_with_monotone_compiled_temps_the_search_finds_what_compiling_everything_finds(steps, ratio, uniforms, budget):
     temps = [sum(steps[: i + 1]) for i in range(len(steps))]  # rising along the frontier
-    predicted = [round(t * ratio) for t in temps]  # the model off by a constant factor
+    predicted = [t * ratio for t in temps]  # the model off by a constant factor
     floor = min([temps[0]] + uniforms)
     if budget < floor:
         with pytest.raises(ValueError, match=f"floor {floor}"):
@@ -66,9 +73,9 @@ def test_with_several_losses_the_largest_temp_decides_and_is_compiled_only_where
     floor = min(exact.values())
     if budget < floor:
         with pytest.raises(ValueError, match=f"floor {floor}$"):
-            _run(temps, [round(t * ratio) for t in temps], [t for t, _ in uniforms], budget, exact=exact)
+            _run(temps, [t * ratio for t in temps], [t for t, _ in uniforms], budget, exact=exact)
         return
-    out, asked, table = _run(temps, [round(t * ratio) for t in temps], [t for t, _ in uniforms], budget, exact=exact)
+    out, asked, table = _run(temps, [t * ratio for t in temps], [t for t, _ in uniforms], budget, exact=exact)
     assert out.compiled[0] == exact[out.choice] <= budget
     assert out.choice == _exhaustive(table, budget)
     assert out.confirmed <= len(asked)
@@ -105,11 +112,46 @@ def test_a_plan_that_fits_the_first_loss_only_is_refuted():
     assert out.choice == (7,) and out.compiled[0] == 80 and out.confirmed == 2
 
 
-def test_an_accurate_model_needs_the_lowest_plan_the_uniforms_and_two_frontier_points():
+def test_an_accurate_model_needs_one_compile():
     temps = list(range(10, 170, 10))  # 16 points
     out, asked, _ = _run(temps, temps, [10, 160], budget=95, uniform_flops=1e3)
     assert out.choice == (8,) and out.compiled == (90, 8.0)
-    assert len(asked) == 1 + 2 + 2, asked  # lowest; uniforms with the guess (8); its cheaper neighbour (9)
+    # the guess (8) fits; its cheaper neighbour is predicted 100 MB, beyond 5% over the budget; the
+    # uniform plans cannot fit (160) or cost 1000 FLOPs against 8
+    assert asked == [(8,)]
+
+
+@pytest.mark.parametrize("budget,neighbour", [(95, False), (96, True)])
+def test_a_neighbour_predicted_within_the_margin_is_compiled(budget, neighbour):
+    temps = list(range(10, 170, 10))
+    out, asked, _ = _run(temps, temps, [], budget=budget)
+    assert out.choice == (8,) and ((9,) in asked) == neighbour  # 100 > 1.05 * 95, 100 <= 1.05 * 96
+
+
+def test_when_the_guess_misses_the_next_guess_is_compiled():
+    temps = [t + 20 for t in range(10, 170, 10)]  # the model 20 under everywhere
+    out, asked, _ = _run(temps, list(range(10, 170, 10)), [], budget=95)
+    # 8 compiles to 110 against 90 predicted: scaled by 110/90, point 6 (70 -> 85.6) fits and point
+    # 7 (80 -> 97.8) does not, but not by 5%; between two compiled neighbours the smaller ratio counts
+    assert asked == [(8,), (6,), (7,)]
+    assert out.choice == (6,) and out.compiled[0] == 90
+
+
+def test_when_two_guesses_miss_the_lowest_plan_is_compiled():
+    temps = [10, 60, 70, 80, 90, 100, 110, 120]  # the model 2x under beyond the first point
+    out, asked, _ = _run(temps, [10, 20, 30, 40, 50, 60, 70, 80], [], budget=45)
+    assert asked == [(3,), (1,), (0,)] and out.choice == (0,)  # 40 -> 80; 20 * 2 -> 60; the lowest
+
+
+@pytest.mark.parametrize("model_flops,compiled", [(8.1, True), (9.0, False)])
+def test_a_uniform_plan_is_compiled_where_the_model_says_it_could_win(model_flops, compiled):
+    # the best fitting frontier point (8) takes 8 FLOPs; a uniform plan the model puts within 2% of
+    # that is compiled (and wins, at 7.9 compiled); one it puts 12.5% above is left out
+    temps = list(range(10, 170, 10))
+    table_flops = {(i,): float(16 - i) for i in range(16)} | {(100,): model_flops}
+    out, asked, _ = _run(temps, temps, [50], budget=95, uniform_flops=7.9, model_flops=table_flops)
+    assert ((100,) in asked) == compiled
+    assert out.choice == ((100,) if compiled else (8,))
 
 
 def test_below_the_lowest_plan_every_candidate_is_compiled_before_the_budget_is_refused():
@@ -117,7 +159,7 @@ def test_below_the_lowest_plan_every_candidate_is_compiled_before_the_budget_is_
     with pytest.raises(ValueError, match="floor 7"):
         _run(temps, list(range(16)), [7, 160], budget=5)
     out, asked, _ = _run(temps, list(range(16)), [50, 160], budget=25)
-    assert out.choice == (1,) and len(asked) == 16 + 2
+    assert out.choice == (1,) and asked == [(15,), (2,), (1,), (0,)]  # guesses, scaled, find it
 
 
 def test_a_uniform_plan_with_fewer_flops_wins():
@@ -157,4 +199,6 @@ def test_planning_says_what_it_is_doing_and_counts_its_compiles(monkeypatch, cap
     candidates, confirmed = last("candidate plan(s)"), last("under every loss")
     assert candidates > 0 and confirmed > 0  # three default losses: the chosen plan is confirmed
     assert plan.compiles == candidates + 2 * confirmed
+    assert len(plan.checked) == candidates  # each candidate's predicted peak beside its compiled temp
+    assert (plan.predicted_peak_bytes, plan.compiled_peak_bytes) in plan.checked
     assert f"{plan.compiles} whole-step compiles" in str(plan)
