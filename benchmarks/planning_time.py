@@ -3,6 +3,7 @@ the disk cache in a second process; profile + solve (no compile) for a 24-layer 
 solver alone.
 
     python benchmarks/planning_time.py [--models tutorial_block tutorial gpt resnet] [--layers 24] [--repeat 3]
+    python benchmarks/planning_time.py --breakdown [--models ...]
 
 First call (per quick benchmark model, `benchmarks/run.py --quick` sizes): the plain training
 step's compile time; smartremat's first-call planning at the budget halfway between full remat's
@@ -15,6 +16,10 @@ disk cache written by a first; and first-call planning with the decorator's defa
 Then, per model, the compile time of its no-remat and `dots_saveable` steps with the default
 options and with the options smartremat measures with (`_cache.measuring_options`), and whether
 the two give the same temp bytes and FLOPs.
+
+With `--breakdown`, only the first call of each model, split into the small compiles that profile
+blocks and the whole-step compiles of the search (count and seconds, summed over threads, by
+wrapping `_profile.compiled_temp` where each is called from).
 
 The model is built with `eqx.filter_eval_shape`, so no parameter memory is allocated: the
 whole plan is made on abstract values. `calibrate=False, verify=False` is the compile-free
@@ -97,6 +102,40 @@ def first_call(name: str) -> dict:
             "fits": plan.compiled_peak_bytes <= plan.budget_bytes}
 
 
+def breakdown(name: str) -> str:
+    """The first call's time, its block-profile compiles and its whole-step compiles (see the module
+    docstring)."""
+    import threading
+
+    from smartremat import _profile, _verify
+
+    case = build(name, "quick")
+    temps = {p: compile_step(strategy(case.model, p, case.where), case.x)[2] for p in ("none", "full")}
+    budget_mb = (temps["none"] + temps["full"]) / 2 / MB
+    lock, figures = threading.Lock(), {"profile": [0, 0.0], "step": [0, 0.0]}
+    original = _profile.compiled_temp
+
+    def counted(kind: str):
+        def compiled_temp(*args):
+            t0 = time.perf_counter()
+            out = original(*args)
+            with lock:
+                figures[kind][0] += 1
+                figures[kind][1] += time.perf_counter() - t0
+            return out
+        return compiled_temp
+
+    _profile.compiled_temp, _verify.compiled_temp = counted("profile"), counted("step")
+    try:
+        smartremat.clear_caches()
+        seconds, plan = _planned(name, budget_mb)
+    finally:
+        _profile.compiled_temp = _verify.compiled_temp = original
+    (pn, ps), (sn, ss) = figures["profile"], figures["step"]
+    return (f"{name}: first call {seconds:.2f} s; block-profile compiles {pn} ({ps:.2f} s summed over threads); "
+            f"whole-step compiles {sn} ({ss:.2f} s); Plan.compiles {plan.compiles}")
+
+
 def measuring_compile(name: str) -> list[str]:
     """Per uniform plan (no remat, `dots_saveable`) of a quick model: the step's compile time with
     the default options and with smartremat's measuring options, and whether their temp bytes and
@@ -142,7 +181,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # the second process of `second_process`
+    ap.add_argument("--breakdown", action="store_true", help="only split each first call into its compiles")
     args = ap.parse_args()
+    if args.breakdown:
+        os.environ["SMARTREMAT_DISK_CACHE"] = "0"
+        for name in args.models:
+            print(breakdown(name), flush=True)
+        return
     if args.child:
         seconds, plan = _planned(args.child[0], float(args.child[1]))
         print(json.dumps([seconds, plan.compiles]))
