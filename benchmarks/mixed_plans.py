@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import UNIFORM, Ckpt, exact, figures  # sets the CPU flag before JAX starts
@@ -29,19 +32,27 @@ MB = smartremat.MB
 MENU_NAME = {"dots": "dots_saveable", "dots_nb": "dots_with_no_batch_dims_saveable", "full": "nothing_saveable"}
 
 
-def mixed(model, where, policy: str, chosen: list[bool]):
+def mixed(model: Any, where: Callable, policy: str, chosen: list[bool]) -> Any:
     """`model` with the blocks where `chosen` is true under `policy`, the others without remat."""
     blocks = list(where(model))
     return eqx.tree_at(where, model, [Ckpt(b, UNIFORM[policy]) if c else b for b, c in zip(blocks, chosen)])
 
 
-def _stage_blocks(plan, model, blocks: list) -> list[int | None]:
+def _node(model: Any, path: str) -> Any:
+    """The sub-module at a plan row's path, such as `layers[3]` or `blocks[0].conv`."""
+    for attr, index in re.findall(r"(\w+)|\[(\d+)\]", path):
+        model = getattr(model, attr) if attr else model[int(index)]
+    return model
+
+
+def _stage_blocks(plan: smartremat.Plan, model: Any, blocks: list) -> list[int | None]:
     """Per stage of the plan (one per block call, in call order, with `nested=False`), the index
     of its block among `blocks` (`None` for a block outside them: a stem, a head)."""
     assert len(plan.blocks) == len(plan.stages) and all(b.calls == 1 for b in plan.blocks), "one call per block"
+    assert all(len(st.saved) == len(plan.menu) for st in plan.stages), "every policy of the menu on every block"
     out = []
     for row in plan.blocks:
-        node = eval("m." + row.path, {}, {"m": model})  # a path such as `layers[3]` or `blocks[0].conv`
+        node = _node(model, row.path)
         out.append(next((i for i, b in enumerate(blocks) if b is node), None))
     return out
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
@@ -31,6 +32,11 @@ class Cost:
 
     def scale(self, k: int) -> "Cost":
         return Cost(self.flops * k, self.bytes * k)
+
+
+def floating_leaves(tree: Any) -> list:
+    """The leaves of `tree` with a floating (or complex) dtype: what a gradient flows through."""
+    return [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
 
 
 def _shard_shape(aval: Any, shape: tuple) -> tuple:

@@ -11,11 +11,10 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from . import _intercept
-from ._cost import aval_bytes
+from ._cost import aval_bytes, floating_leaves
 from ._spec import CallSpec, make_spec
 
 Path = tuple[tuple[str, Any], ...]
@@ -208,8 +207,8 @@ def discover(
     candidates = named_blocks(module, blocks) if blocks is not None else child_modules(module)
     recorded: list[tuple[int, CallSpec | None]] = []
     paths = [p for p, _ in candidates]
-    outputs: list[list] = []  # each call's floating outputs (held, so that their ids stay theirs)
-    ending: list[int] = []  # the call whose floating outputs the module returns, if any
+    outputs: dict[int, list] = {}  # each call's floating outputs (held, so that their ids stay theirs)
+    ending: set[int] = set()  # the calls whose floating outputs the module returns
 
     def record(index: int, sub: Any, own: Callable, args: tuple, kwargs: dict) -> Any:
         try:
@@ -220,14 +219,13 @@ def discover(
         recorded.append((index, spec))
         with jax.named_scope(f"{_PROBE_SCOPE}{serial}"):
             out = own(sub, *args, **kwargs)
-        outputs.append(_floating(out))
+        outputs[serial] = floating_leaves(out)
         return out
 
     def probed(m: Any, *args: Any, **kwargs: Any) -> Any:  # the traced copies of the sub-modules are watched, not replaced
         with _intercept.routing(m, paths, record):
             out = call(m, *args, **kwargs)
-        final = {id(x) for x in _floating(out)}
-        ending[:] = [k for k, xs in enumerate(outputs) if final and final <= {id(x) for x in xs}][-1:]
+        ending.update(_returning(outputs, floating_leaves(out)))
         return out
 
     closed = jax.make_jaxpr(spec.function(probed))(*spec.dynamic)
@@ -247,6 +245,7 @@ def discover(
         _warn_uncalled(candidates, {i for i, _ in recorded})
     if blocks is None:  # a parameter-free layer (dropout, an activation) is part of its neighbours' cost
         calls = [c for c in calls if _holds_arrays(c.spec)] or calls
+    calls = _last_ends(calls)
     if not calls:
         if blocks is not None:
             raise ValueError(
@@ -257,8 +256,17 @@ def discover(
     return calls
 
 
-def _floating(tree: Any) -> list:
-    return [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
+def _returning(outputs: dict[int, list], final: list) -> list[int]:
+    """The calls among whose floating outputs are all the module's floating outputs (by identity:
+    returned as they are). A layer passing its input through (dropout at inference) matches too."""
+    ids = {id(x) for x in final}
+    return [k for k, xs in outputs.items() if ids and ids <= {id(x) for x in xs}]
+
+
+def _last_ends(calls: list[BlockCall]) -> list[BlockCall]:
+    """`calls` with `ends` kept on the last call that has it only (the loss is taken after it)."""
+    last = max((k for k, c in enumerate(calls) if c.ends), default=None)
+    return [c if k == last or not c.ends else dataclasses.replace(c, ends=False) for k, c in enumerate(calls)]
 
 
 def _warn_uncalled(candidates: list[tuple[Path, Any]], called: set[int]) -> None:

@@ -114,15 +114,16 @@ def _available(calls: tuple[BlockCall, ...], profiles: tuple, menus: tuple) -> t
 
 def uniform(model: MemoryModel, option: Option) -> tuple[int, ...]:
     """The choice giving every block `option` (no remat where it failed for a block), or the
-    option it was merged into for a block (the same residuals, so the same program), so that
-    uniform plans that are one program are one choice."""
-    out = []
+    option it was merged into for a block (the same residuals, so the same program) where all the
+    block's calls merged it alike, so that uniform plans that are one program are one choice."""
+    same: dict[Path, Option] = {}
     for ci in model.owner:
-        menu = model.menus[ci]
         found = _find_option(model.profiles[ci], option)
-        same = found.option if found is not None else NO_REMAT
-        out.append(next((i for i, p in enumerate(menu) if p == same), 0))
-    return tuple(out)
+        kept = found.option if found is not None else NO_REMAT
+        path = model.calls[ci].path
+        same[path] = kept if same.get(path, kept) == kept else option
+    return tuple(next((i for i, p in enumerate(model.menus[ci]) if p == same[model.calls[ci].path]), 0)
+                 for ci in model.owner)
 
 
 def build_model(call: Callable, spec: CallSpec, module: Any, config: Config,

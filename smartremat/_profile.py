@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from ._cache import KeyedCache, environment_key, measuring_options
-from ._cost import Cost, aval_bytes, jaxpr_cost
+from ._cost import Cost, aval_bytes, floating_leaves, jaxpr_cost
 from ._options import NO_REMAT, Option, PolicyError
 from ._spec import CallSpec, scatter
 
@@ -79,8 +79,7 @@ def _is_float(d: jax.ShapeDtypeStruct) -> bool:
 
 
 def _floats(out: Any) -> list:
-    return [x.astype(jnp.float32) for x in jax.tree.leaves(out)
-            if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
+    return [x.astype(jnp.float32) for x in floating_leaves(out)]
 
 
 def _loss(out: Any) -> jax.Array:
@@ -103,7 +102,8 @@ def split_diff(f: Callable, spec: CallSpec, first_n: int | None = None) -> tuple
 
 
 def grad_step(f: Callable, spec: CallSpec, loss: Callable = _loss) -> Callable:
-    """`step(*dynamic)`: gradient of the summed floating outputs of `f` w.r.t. floating inputs.
+    """`step(*dynamic)`: gradient of `loss` of the floating outputs of `f` (their sum by default)
+    w.r.t. floating inputs.
 
     Used to profile one block on its own (a constant cotangent is enough to compare options);
     plans are verified on real losses (`_verify.loss_step`).
@@ -218,7 +218,8 @@ def _at_the_end(profile: BlockProfile, spec: CallSpec, call: Callable) -> BlockP
     jobs = [(grad_step(o.option.profiled(spec, call), spec, _square_loss), spec.dynamic) for o in profile.options]
     with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
         temps = [t for t, _ in pool.map(lambda job: compiled_temp(*job), jobs)]
-    options = tuple(dataclasses.replace(o, peak_bytes=max(t, o.saved_bytes)) for o, t in zip(profile.options, temps))
+    options = tuple(dataclasses.replace(o, peak_bytes=max(t, o.peak_bytes, o.saved_bytes))
+                    for o, t in zip(profile.options, temps))
     return dataclasses.replace(profile, options=options)
 
 

@@ -19,15 +19,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ._cache import Identity, KeyedCache, environment_key
+from ._cost import floating_leaves
 from ._apply import Assignment, run
 from ._profile import compiled_temp, mesh_context, n_module_leaves, split_diff
 from ._spec import CallSpec, placed_sharding
 
 _CACHE: KeyedCache[tuple[int, float]] = KeyedCache()
-
-
-def _float_leaves(out: Any) -> list:
-    return [x for x in jax.tree.leaves(out) if jnp.issubdtype(x.dtype, jnp.inexact)]
 
 
 def _like(o: Any, shape: tuple, dtype: Any) -> jax.ShapeDtypeStruct:
@@ -45,11 +42,11 @@ class SquaredError:
     """Mean squared error of every floating output leaf against a target of its shape."""
 
     def targets(self, out: Any) -> tuple:
-        return tuple(_like(o, o.shape, o.dtype) for o in _float_leaves(out))
+        return tuple(_like(o, o.shape, o.dtype) for o in floating_leaves(out))
 
     def __call__(self, out: Any, *targets: jax.Array) -> jax.Array:
         return sum((jnp.mean((o.astype(jnp.float32) - t.astype(jnp.float32)) ** 2)
-                    for o, t in zip(_float_leaves(out), targets, strict=True)), jnp.float32(0))
+                    for o, t in zip(floating_leaves(out), targets, strict=True)), jnp.float32(0))
 
 
 @dataclass(frozen=True)
@@ -62,11 +59,11 @@ class CrossEntropy:
 
     def targets(self, out: Any) -> tuple:
         return tuple(_like(o, o.shape[:-1], jnp.int32) if self.labels and o.ndim else _like(o, o.shape, o.dtype)
-                     for o in _float_leaves(out))
+                     for o in floating_leaves(out))
 
     def __call__(self, out: Any, *targets: jax.Array) -> jax.Array:
         total = jnp.float32(0)
-        for o, t in zip(_float_leaves(out), targets, strict=True):
+        for o, t in zip(floating_leaves(out), targets, strict=True):
             o = o.astype(jnp.float32)
             if o.ndim == 0:
                 total = total + (o - t.astype(jnp.float32)) ** 2

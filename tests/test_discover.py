@@ -146,17 +146,28 @@ def test_user_code_sees_its_own_sub_modules(lowest):
     assert tree_allclose(grad.module, eqx.filter_grad(loss)(m, x))
 
 
+class WithDropout(eqx.Module):
+    """A stack, then a dropout that passes its input through at inference (a layer without arrays)."""
+
+    stack: MLPStack
+    dropout: eqx.nn.Dropout
+
+    def __call__(self, x):
+        return self.dropout(self.stack(x))
+
+
 @pytest.mark.parametrize("make,ends", [
     (lambda k: MLPStack(3, 8, 16, k), "layers[2]"),  # returns the last layer's output
     (lambda k: Transformer(2, 16, 2, k), None),  # a layer norm after the last layer
     (lambda k: TutorialBlock(8, 16, k), "<self>"),  # the module is its own block
-], ids=["stack", "head", "lone"])
+    (lambda k: WithDropout(MLPStack(3, 8, 16, k), eqx.nn.Dropout(0.1, inference=True)), "stack.layers[2]"),
+], ids=["stack", "head", "lone", "pass_through_last"])
 def test_discovery_marks_the_call_whose_outputs_the_module_returns(make, ends):
-    from smartremat._discover import discover, path_str
+    from smartremat._discover import discover, expand_stacks, path_str
     from smartremat._spec import make_spec
 
     model = make(jax.random.key(0))
     x = jnp.ones((4, 8, 16)) if isinstance(model, Transformer) else jnp.ones((4, 8))
     spec = make_spec(model, (x,), {})
-    calls = discover(model, lambda m, *a: m(*a), spec, None)
+    calls = expand_stacks(discover(model, lambda m, *a: m(*a), spec, None))
     assert [path_str(c.path) for c in calls if c.ends] == ([] if ends is None else [ends])

@@ -50,6 +50,8 @@ def test_a_stored_plan_is_read_back_and_runs_the_same(disk):
     assert again.compiles == 0 and "disk cache" in again.notes[-1]
     assert again.assignment == first.assignment and again.policies == first.policies
     assert again.compiled_peak_bytes == first.compiled_peak_bytes
+    assert again.checked == first.checked  # each compiled candidate's predicted and compiled bytes
+    assert (first.predicted_peak_bytes, first.compiled_peak_bytes) in first.checked
     assert again.frontier() == first.frontier() and again.uniform() == first.uniform()  # the model came along
     got = backward(sr(budget_mb=0.05, **OPTIONS)(model), x).module
     want = backward(model, x)

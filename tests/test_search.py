@@ -123,6 +123,7 @@ def test_an_accurate_model_needs_one_compile():
 
 @pytest.mark.parametrize("budget,neighbour", [(95, False), (96, True)])
 def test_a_neighbour_predicted_within_the_margin_is_compiled(budget, neighbour):
+    # the cheaper neighbour is trusted to miss only if it does by more than 5% of the budget
     temps = list(range(10, 170, 10))
     out, asked, _ = _run(temps, temps, [], budget=budget)
     assert out.choice == (8,) and ((9,) in asked) == neighbour  # 100 > 1.05 * 95, 100 <= 1.05 * 96
@@ -159,7 +160,8 @@ def test_below_the_lowest_plan_every_candidate_is_compiled_before_the_budget_is_
     with pytest.raises(ValueError, match="floor 7"):
         _run(temps, list(range(16)), [7, 160], budget=5)
     out, asked, _ = _run(temps, list(range(16)), [50, 160], budget=25)
-    assert out.choice == (1,) and asked == [(15,), (2,), (1,), (0,)]  # guesses, scaled, find it
+    # guesses, scaled, find it; the uniform plans, predicted to fit and cheaper, miss
+    assert out.choice == (1,) and asked == [(15,), (2,), (1,), (0,), (100,), (101,)]
 
 
 def test_a_uniform_plan_with_fewer_flops_wins():
@@ -202,3 +204,39 @@ def test_planning_says_what_it_is_doing_and_counts_its_compiles(monkeypatch, cap
     assert len(plan.checked) == candidates  # each candidate's predicted peak beside its compiled temp
     assert (plan.predicted_peak_bytes, plan.compiled_peak_bytes) in plan.checked
     assert f"{plan.compiles} whole-step compiles" in str(plan)
+
+
+def test_an_over_predicted_cheaper_neighbour_is_compiled():
+    # point 0 compiles to half its prediction: scaled by that, point 1 (20 -> 10) could fit, so it is
+    # compiled (9) and chosen; point 2 (30 -> 13.5 at the smallest ratio, 0.45) misses by over 5%
+    out, asked, _ = _run([5, 9, 30], [10, 20, 30], [], budget=11)
+    assert asked == [(0,), (1,)] and out.choice == (1,)
+
+
+def test_a_uniform_plan_is_not_scaled_up_by_under_predicted_mixed_plans():
+    # mixed frontier points compile 20% over their prediction, the uniform plan (100) exactly; scaled
+    # up by 1.2 it would seem to miss by more than 10%, and it fits and costs less
+    temps = [round(t * 1.2) for t in range(10, 170, 10)]
+    out, asked, _ = _run(temps, list(range(10, 170, 10)), [90], budget=95, uniform_predicted=[90],
+                         uniform_flops=1.0)
+    assert (100,) in asked and out.choice == (100,)
+
+
+def test_uniform_policies_merged_for_every_block_are_one_choice():
+    # the tutorial block saves the same residuals under `dots_saveable` and
+    # `dots_with_no_batch_dims_saveable` (no batched products): one program, so one choice to compile
+    import jax
+    import jax.numpy as jnp
+
+    from smartremat import _planner
+    from smartremat._discover import call_module
+    from smartremat._policies import DEFAULT_MENU
+    from smartremat._spec import make_spec
+    from tests.models import MLPStack
+
+    model, x = MLPStack(3, 16, 64, jax.random.key(0)), jnp.ones((8, 16))
+    config = _planner.Config(budget_bytes=10**9, policies=DEFAULT_MENU, calibrate=False, nested=False)
+    built = _planner.build_model(call_module, make_spec(model, (x,), {}), model, config)
+    names = [p.name for p in DEFAULT_MENU]
+    dots, no_batch = (DEFAULT_MENU[names.index(n)] for n in ("dots_saveable", "dots_with_no_batch_dims_saveable"))
+    assert _planner.uniform(built, no_batch) == _planner.uniform(built, dots) != _planner.uniform(built, DEFAULT_MENU[0])
