@@ -4,6 +4,7 @@ solver alone.
 
     python benchmarks/planning_time.py [--models tutorial_block tutorial gpt resnet] [--layers 24] [--repeat 3]
     python benchmarks/planning_time.py --breakdown [--models ...]
+    python benchmarks/planning_time.py --flops [--models ...]
 
 First call (per quick benchmark model, `benchmarks/run.py --quick` sizes): the plain training
 step's compile time; smartremat's first-call planning at the budget halfway between full remat's
@@ -20,6 +21,12 @@ the two give the same temp bytes and FLOPs.
 With `--breakdown`, only the first call of each model, split into the small compiles that profile
 blocks and the whole-step compiles of the search (count and seconds, summed over threads, by
 wrapping `_profile.compiled_temp` where each is called from).
+
+With `--flops`, per model and at the budgets a quarter, half and three quarters of the way from full
+remat's compiled temp bytes to no remat's: each uniform plan's compiled FLOPs against the chosen
+plan's, beside the model's difference (recompute FLOPs), both as a share of the chosen plan's
+compiled FLOPs; their largest gap is how far fusion moves FLOPs against the model (the search's
+`WIN_MARGIN` allows 2%).
 
 The model is built with `eqx.filter_eval_shape`, so no parameter memory is allocated: the
 whole plan is made on abstract values. `calibrate=False, verify=False` is the compile-free
@@ -136,6 +143,25 @@ def breakdown(name: str) -> str:
             f"whole-step compiles {sn} ({ss:.2f} s); Plan.compiles {plan.compiles}")
 
 
+def flops_rows(name: str) -> list[str]:
+    """Compiled against modelled FLOPs of the uniform plans, at three budgets (module docstring)."""
+    case = build(name, "quick")
+    compiled = {p: compile_step(strategy(case.model, p, case.where), case.x)[2:] for p in MENU_NAME}
+    rows, worst = [], 0.0
+    for share in (0.25, 0.5, 0.75):
+        budget_mb = (compiled["full"][0] + share * (compiled["none"][0] - compiled["full"][0])) / MB
+        smartremat.clear_caches()
+        _, plan = _planned(name, budget_mb)
+        chosen, model = plan.compiled_flops, plan.recompute_flops
+        for p, (_, flops) in compiled.items():
+            gap = ((flops - chosen) - (plan.uniform()[MENU_NAME[p]][1] - model)) / chosen
+            worst = max(worst, abs(gap))
+            rows.append(f"{name} at {budget_mb:.2f} MB, {p}: compiled {(flops - chosen) / chosen:+.4f}, "
+                        f"model {(plan.uniform()[MENU_NAME[p]][1] - model) / chosen:+.4f} of the chosen plan's "
+                        f"{chosen / 1e9:.4f} GFLOP")
+    return rows + [f"{name}: largest gap {worst:.4f} of the step"]
+
+
 def measuring_compile(name: str) -> list[str]:
     """Per uniform plan (no remat, `dots_saveable`) of a quick model: the step's compile time with
     the default options and with smartremat's measuring options, and whether their temp bytes and
@@ -182,7 +208,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # the second process of `second_process`
     ap.add_argument("--breakdown", action="store_true", help="only split each first call into its compiles")
+    ap.add_argument("--flops", action="store_true", help="only compare compiled and modelled FLOPs")
     args = ap.parse_args()
+    if args.flops:
+        os.environ["SMARTREMAT_DISK_CACHE"] = "0"
+        for name in args.models:
+            print("\n".join(flops_rows(name)), flush=True)
+        return
     if args.breakdown:
         os.environ["SMARTREMAT_DISK_CACHE"] = "0"
         for name in args.models:

@@ -168,6 +168,12 @@ def compiled_temp(fn: Callable, spec: CallSpec | tuple) -> tuple[int, float]:
     return int(memory.temp_size_in_bytes), float((cost or {}).get("flops", 0.0))
 
 
+def _compiled_temps(jobs: Sequence[tuple[Callable, tuple]]) -> list[int]:
+    """`compiled_temp` of each `(function, avals)` job, compiled in parallel threads."""
+    with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        return [t for t, _ in pool.map(lambda job: compiled_temp(*job), jobs)]
+
+
 def _chainable(f: Callable, spec: CallSpec, n_module: int) -> int | None:
     """Index of the dynamic leaf that is args[0] if the output has exactly its type, else None."""
     if len(spec.dynamic) <= n_module or _first_arg_leaf(spec) != n_module:
@@ -216,8 +222,7 @@ def _at_the_end(profile: BlockProfile, spec: CallSpec, call: Callable) -> BlockP
     if not any(o.peak_bytes for o in profile.options):  # left alone: nothing measured
         return profile
     jobs = [(grad_step(o.option.profiled(spec, call), spec, _square_loss), spec.dynamic) for o in profile.options]
-    with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
-        temps = [t for t, _ in pool.map(lambda job: compiled_temp(*job), jobs)]
+    temps = _compiled_temps(jobs)
     options = tuple(dataclasses.replace(o, peak_bytes=max(t, o.peak_bytes, o.saved_bytes))
                     for o, t in zip(profile.options, temps))
     return dataclasses.replace(profile, options=options)
@@ -314,9 +319,7 @@ def _calibration(raw: list[_Measured], spec: CallSpec, n_module: int,
     chain_at = _chainable(raw[0].f, spec, n_module)
     if chain_at is not None:
         jobs += [_chain_job([m.f] * k + [raw[0].f], spec, n_module, chain_at) for m in raw for k in (1, 2)]
-    workers = max(1, min(len(jobs), os.cpu_count() or 1))
-    with ThreadPoolExecutor(workers) as pool:
-        temps = [t for t, _ in pool.map(lambda job: compiled_temp(*job), jobs)]
+    temps = _compiled_temps(jobs)
     peaks = temps[: len(raw)]
     if chain_at is None:
         return peaks, [None] * len(raw)

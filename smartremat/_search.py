@@ -179,7 +179,7 @@ def _could_win(uniforms: Sequence[Choice], model: Estimates, compiled: _Compiled
                ) -> list[Choice]:
     """The uniform plans not compiled yet that the model does not rule out: they could fit and
     could cost no more than `best` (see the module docstring)."""
-    scale = min(1.0, *_ratios(points, predicted, compiled.figures))  # never scaled up: see fit.md
+    scale = min(1.0, *_ratios(points, predicted, compiled.figures))  # never scaled up (see the module docstring)
     slack = WIN_MARGIN * abs(rank(best, compiled.figures[best][1]))
     return [u for u in uniforms if u not in compiled.figures
             and model.peak(u) * scale <= budget * (1 + FIT_MARGIN)
