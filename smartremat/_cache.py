@@ -28,6 +28,18 @@ def measuring_options() -> dict[str, Any]:
     return {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
 
 
+def profiling_options() -> dict[str, Any]:
+    """XLA options for the small compiles that profile one block (its own peak, its copies in a
+    row): `measuring_options()` and, on the CPU, XLA's loop emitters instead of its MLIR fusion
+    emitters, which halves these compiles at the same temp bytes on every block profile of the
+    benchmark models (docs/fit.md, "Planning time"). Not for whole-step compiles, whose figures
+    must be those of the step that runs: there the emitters move the quick GPT's temp bytes by up
+    to 192 bytes. `_profile.compiled_temp` falls back to `measuring_options()` where a jaxlib does
+    not know the option."""
+    extra = {"xla_cpu_use_fusion_emitters": False} if jax.default_backend() == "cpu" else {}
+    return {**measuring_options(), **extra}
+
+
 def barrier_hint() -> str:
     """For an error about a budget that is too low: on the CPU without the barrier flag, a
     sentence saying that the figures overstate what remat can save and how to set the flag;

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from ._cache import KeyedCache, environment_key, measuring_options
+from ._cache import KeyedCache, environment_key, measuring_options, profiling_options
 from ._cost import Cost, aval_bytes, floating_leaves, jaxpr_cost
 from ._options import NO_REMAT, Option, PolicyError
 from ._spec import CallSpec, scatter
@@ -154,11 +154,19 @@ def mesh_context(avals: Sequence[Any]) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
 
-def compiled_temp(fn: Callable, spec: CallSpec | tuple) -> tuple[int, float]:
-    """Compiler's temp bytes and FLOPs of `fn(*spec.dynamic)` (abstract: no device memory)."""
+def compiled_temp(fn: Callable, spec: CallSpec | tuple, options: dict | None = None) -> tuple[int, float]:
+    """Compiler's temp bytes and FLOPs of `fn(*spec.dynamic)` (abstract: no device memory),
+    compiled with `options` (`measuring_options()` by default; those where the jaxlib does not
+    know one of `options`)."""
     avals = spec.dynamic if isinstance(spec, CallSpec) else spec
     with mesh_context(avals):
-        compiled = jax.jit(fn).lower(*avals).compile(measuring_options())
+        lowered = jax.jit(fn).lower(*avals)
+        try:
+            compiled = lowered.compile(measuring_options() if options is None else options)
+        except Exception as e:
+            if options is None or "No such compile option" not in str(e):
+                raise
+            compiled = lowered.compile(measuring_options())
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     memory = compiled.memory_analysis()
@@ -169,9 +177,11 @@ def compiled_temp(fn: Callable, spec: CallSpec | tuple) -> tuple[int, float]:
 
 
 def _compiled_temps(jobs: Sequence[tuple[Callable, tuple]]) -> list[int]:
-    """`compiled_temp` of each `(function, avals)` job, compiled in parallel threads."""
+    """`compiled_temp` of each `(function, avals)` job, compiled in parallel threads with the
+    options for block profiles (`_cache.profiling_options`)."""
+    options = profiling_options()
     with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
-        return [t for t, _ in pool.map(lambda job: compiled_temp(*job), jobs)]
+        return [t for t, _ in pool.map(lambda job: compiled_temp(*job, options), jobs)]
 
 
 def _chainable(f: Callable, spec: CallSpec, n_module: int) -> int | None:

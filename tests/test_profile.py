@@ -126,6 +126,39 @@ def test_measuring_compiles_give_the_figures_of_the_compile_that_runs(make, rema
     assert figures[0][0] > 0
 
 
+@pytest.mark.parametrize("make", [
+    lambda: (Transformer(2, 64, 4, jax.random.key(0)), jnp.ones((2, 64, 64))),
+    lambda: (ConvNet(2, 8, 10, jax.random.key(0)), jnp.ones((3, 16, 16))),
+    lambda: (TutorialBlock(64, 512, jax.random.key(0)), jnp.ones((16, 64))),
+], ids=["transformer", "convnet", "tutorial_block"])
+def test_block_profiles_compiled_with_profiling_options_give_the_measuring_figures(make, monkeypatch):
+    # block profiles compile with `profiling_options()` (on the CPU, also the loop emitters, a
+    # faster compile): every block-profile program must keep the temp bytes it has under
+    # `measuring_options()`, the options whole steps are measured with
+    from smartremat import _profile
+    from smartremat._cache import measuring_options, profiling_options
+
+    jobs = []
+    original = _profile._compiled_temps
+    monkeypatch.setattr(_profile, "_compiled_temps", lambda js: jobs.extend(js) or original(js))
+    model, x = make()
+    smartremat.clear_caches()
+    smartremat.explain(sr(budget_mb=1e6, verify=False)(model), x)
+    assert len(jobs) >= 6  # own peaks and chains of several options
+    for fn, avals in jobs:
+        assert (_profile.compiled_temp(fn, avals, profiling_options())
+                == _profile.compiled_temp(fn, avals, measuring_options()))
+
+
+def test_an_option_the_jaxlib_does_not_know_falls_back_to_the_measuring_options():
+    f, avals = (lambda x: jnp.sin(x) @ x), (jax.ShapeDtypeStruct((64, 64), jnp.float32),)
+    from smartremat._profile import compiled_temp
+
+    assert compiled_temp(f, avals, {"xla_no_such_option_in_any_jaxlib": True}) == compiled_temp(f, avals)
+    with pytest.raises(Exception, match="xla_no_such_option_in_any_jaxlib"):
+        jax.jit(f).lower(*avals).compile({"xla_no_such_option_in_any_jaxlib": True})
+
+
 @pytest.mark.parametrize("batch,d,hidden", [(16, 128, 2048), (256, 256, 512)])
 def test_kept_bytes_are_what_the_compiled_stack_keeps(batch, d, hidden):
     # XLA places a tutorial block's saved activations in its own weight gradients' output buffers
