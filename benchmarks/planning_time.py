@@ -20,7 +20,9 @@ the two give the same temp bytes and FLOPs.
 
 With `--breakdown`, only the first call of each model, split into the small compiles that profile
 blocks and the whole-step compiles of the search (count and seconds, summed over threads, by
-wrapping `_profile.compiled_temp` where each is called from).
+wrapping `_profile.compiled_temp` where each is called from); then the time to enumerate the
+model's frontier of that plan's stages in one pass (`_solve.frontier`) and by solving once per
+point (`_solve.frontier_by_solving`, the way stages with scan runs take).
 
 With `--flops`, per model and at the budgets a quarter, half and three quarters of the way from full
 remat's compiled temp bytes to no remat's: each uniform plan's compiled FLOPs against the chosen
@@ -114,7 +116,7 @@ def breakdown(name: str) -> str:
     docstring)."""
     import threading
 
-    from smartremat import _profile, _verify
+    from smartremat import _profile, _solve, _verify
 
     case = build(name, "quick")
     temps = {p: compile_step(strategy(case.model, p, case.where), case.x)[2] for p in ("none", "full")}
@@ -139,8 +141,15 @@ def breakdown(name: str) -> str:
     finally:
         _profile.compiled_temp = _verify.compiled_temp = original
     (pn, ps), (sn, ss) = figures["profile"], figures["step"]
+    times = {}
+    for how, fn in (("one pass", _solve.frontier), ("solving once per point", _solve.frontier_by_solving)):
+        t0 = time.perf_counter()
+        points = fn(plan.stages)
+        times[how] = (time.perf_counter() - t0, len(points))
+    frontier = "; ".join(f"{how} {t:.3f} s ({n} points)" for how, (t, n) in times.items())
     return (f"{name}: first call {seconds:.2f} s; block-profile compiles {pn} ({ps:.2f} s summed over threads); "
-            f"whole-step compiles {sn} ({ss:.2f} s); Plan.compiles {plan.compiles}")
+            f"whole-step compiles {sn} ({ss:.2f} s); Plan.compiles {plan.compiles}; "
+            f"the model's frontier of {len(plan.stages)} stages: {frontier}")
 
 
 def flops_rows(name: str) -> list[str]:

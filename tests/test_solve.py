@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 
 from smartremat._memory import Stage, peak_of, respects_segments
-from smartremat._solve import brute_force, frontier, min_peak, solve
+from smartremat._solve import brute_force, frontier, frontier_by_solving, min_peak, solve
 
 
 @st.composite
@@ -74,7 +74,11 @@ def test_frontier_and_min_peak_are_exact(inst):
              if all(stages[i].group != stages[j].group or c[i] == c[j]
                     for i in range(len(c)) for j in range(i))]
     pareto = sorted({(p, c) for p, c in every if not any(q <= p and d <= c and (q, d) != (p, c) for q, d in every)})
-    assert [(s.peak, s.cost) for s in frontier(stages)] == pareto
+    # in one pass, and by solving once per point (the way stages with scan runs take)
+    for found in (frontier(stages), frontier_by_solving(stages)):
+        assert [(s.peak, s.cost) for s in found] == pareto
+        assert all((peak_of(stages, s.choice), sum(st.cost[o] for st, o in zip(stages, s.choice))) == (s.peak, s.cost)
+                   for s in found)
     assert min_peak(stages).peak == min(p for p, _ in every)
 
 
