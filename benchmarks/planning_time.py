@@ -5,6 +5,7 @@ solver alone.
     python benchmarks/planning_time.py [--models tutorial_block tutorial gpt resnet] [--layers 24] [--repeat 3]
     python benchmarks/planning_time.py --breakdown [--models ...]
     python benchmarks/planning_time.py --flops [--models ...]
+    python benchmarks/planning_time.py --profiling-options [--models ...]
 
 First call (per quick benchmark model, `benchmarks/run.py --quick` sizes): the plain training
 step's compile time; smartremat's first-call planning at the budget halfway between full remat's
@@ -23,6 +24,11 @@ blocks and the whole-step compiles of the search (count and seconds, summed over
 wrapping `_profile.compiled_temp` where each is called from); then the time to enumerate the
 model's frontier of that plan's stages in one pass (`_solve.frontier`) and by solving once per
 point (`_solve.frontier_by_solving`, the way stages with scan runs take).
+
+With `--profiling-options`, per model, its block-profile programs compiled one after another with
+the options whole steps are measured with (`_cache.measuring_options`) and with those blocks are
+profiled with (`_cache.profiling_options`): seconds, and whether every temp agrees; then each
+uniform plan's whole step under both: temp bytes and FLOPs moved.
 
 With `--flops`, per model and at the budgets a quarter, half and three quarters of the way from full
 remat's compiled temp bytes to no remat's: each uniform plan's compiled FLOPs against the chosen
@@ -192,6 +198,39 @@ def measuring_compile(name: str) -> list[str]:
     return rows
 
 
+def profiling_options_rows(name: str) -> list[str]:
+    """Per quick model: its block-profile programs compiled one after another with the measuring
+    options and with the profiling options (seconds, and whether every temp agrees), then each
+    uniform plan's whole step under both (temp bytes and FLOPs moved)."""
+    from smartremat import _profile
+    from smartremat._cache import measuring_options, profiling_options
+
+    case, jobs = build(name, "quick"), []
+    original = _profile._compiled_temps
+    _profile._compiled_temps = lambda js: jobs.extend(js) or original(js)
+    try:
+        smartremat.clear_caches()
+        _planned(name, 1e6)
+    finally:
+        _profile._compiled_temps = original
+    seconds, temps = {}, {}
+    for label, options in (("measuring", measuring_options()), ("profiling", profiling_options())):
+        jax.clear_caches()  # JAX keeps the executables planning compiled: compile afresh
+        t0 = time.perf_counter()
+        temps[label] = [_profile.compiled_temp(fn, avals, options)[0] for fn, avals in jobs]
+        seconds[label] = time.perf_counter() - t0
+    rows = [f"{name}: {len(jobs)} block-profile programs, {seconds['measuring']:.2f} s with the measuring options, "
+            f"{seconds['profiling']:.2f} s with the profiling options {profiling_options()}; same temp bytes: "
+            f"{temps['measuring'] == temps['profiling']}"]
+    for p in MENU_NAME:
+        step, params, target = grad_step(strategy(case.model, p, case.where), case.x)
+        lowered = step.lower(params, case.x, target)
+        (t1, f1), (t2, f2) = ((c.memory_analysis().temp_size_in_bytes, c.cost_analysis()["flops"])
+                              for c in (lowered.compile(measuring_options()), lowered.compile(profiling_options())))
+        rows.append(f"{name} {p} whole step: temp {t1} B measuring, {t2 - t1:+d} B profiling; FLOPs {(f2 - f1) / f1:+.6f}")
+    return rows
+
+
 def plan_time(layers: int, calibrate: bool) -> tuple[float, smartremat.Plan]:
     smartremat.clear_caches()
     model = eqx.filter_eval_shape(
@@ -218,7 +257,14 @@ def main() -> None:
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # the second process of `second_process`
     ap.add_argument("--breakdown", action="store_true", help="only split each first call into its compiles")
     ap.add_argument("--flops", action="store_true", help="only compare compiled and modelled FLOPs")
+    ap.add_argument("--profiling-options", action="store_true",
+                    help="only compare block-profile compiles with the measuring and the profiling options")
     args = ap.parse_args()
+    if args.profiling_options:
+        os.environ["SMARTREMAT_DISK_CACHE"] = "0"
+        for name in args.models:
+            print("\n".join(profiling_options_rows(name)), flush=True)
+        return
     if args.flops:
         os.environ["SMARTREMAT_DISK_CACHE"] = "0"
         for name in args.models:

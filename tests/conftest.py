@@ -19,10 +19,10 @@ import pytest  # noqa: E402
 # as Equinox's own tests do: mixing dtypes must be explicit, in the library and in the tests
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
-# XLA reads XLA_FLAGS once, at the process's first compile: compile now, so that a test that
-# empties XLA_FLAGS (to see the warning for a CPU without the flag) is never the first to compile
-# in a worker, which left every later test of that worker without the flag
-jax.jit(lambda x: x + 1).lower(1.0).compile()
+# XLA reads XLA_FLAGS once, when JAX starts its backend (docs/facts.md, fact 13): start it now, so
+# that a test that empties XLA_FLAGS (to see the warning for a CPU without the flag) is never the
+# first to use it in a worker, which left every later test of that worker without the flag
+jax.devices()
 
 
 @pytest.fixture(scope="session")
