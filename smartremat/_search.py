@@ -23,6 +23,9 @@ whole-step compile per candidate and loss; `search` compiles only:
    the model says (docs/facts.md, fact 9): by up to 1.6% of the step on the quick benchmark
    models.
 
+A step of 1 or 2 that compiles a lone frontier point compiles beside it, on the core it leaves idle,
+a uniform plan that 3 would likely compile if the point fits (`_Spare`).
+
 Among the candidates compiled for this budget that fit, the one with the fewest compiled FLOPs
 wins (the model's FLOPs when a block is scanned: XLA counts a loop body once). Fit is therefore
 read off the compiler; never costing more than a fitting uniform plan or frontier point holds for
@@ -52,6 +55,9 @@ MISS_MARGIN = 0.05
 FIT_MARGIN = 0.10
 #: ... and the model's FLOPs exceed the best fitting candidate's by at most this share of its own.
 WIN_MARGIN = 0.02
+#: Candidates compiled together in one search step: a step that needs one fills the second with a
+#: uniform plan that could win (`_Spare`).
+SPARE_BATCH = 2
 
 Choice = tuple[int, ...]
 
@@ -144,15 +150,16 @@ def search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimate
     """
     compiled = _Compiled(measure, progress, confirm)
     predicted = [model.peak(p) for p in points]
+    spare = _Spare(uniforms, model, compiled, points, predicted, budget, rank)
     guess = _guess(points, predicted, {}, budget, 0, len(points))
     compiled(points[guess])
     for attempt in range(2):  # missed: the next guess; missed again: with the lowest-peak point
         if compiled.figures[points[guess]][0] <= budget or guess == 0:
             break
         guess = _guess(points, predicted, compiled.figures, budget, 0, guess)
-        compiled(points[guess], *([points[0]] if attempt else []))
+        compiled(*spare(points[guess], *([points[0]] if attempt else [])))
     while True:
-        _bracket(points, predicted, compiled, budget)
+        _bracket(points, predicted, compiled, budget, spare)
         best = _best(compiled, budget, rank)
         if best is not None:
             compiled(*_could_win(uniforms, model, compiled, points, predicted, budget, best, rank))
@@ -176,17 +183,51 @@ def _best(compiled: _Compiled, budget: int, rank: Callable[[Choice, float], floa
 
 def _could_win(uniforms: Sequence[Choice], model: Estimates, compiled: _Compiled, points: Sequence[Choice],
                predicted: Sequence[float], budget: int, best: Choice, rank: Callable[[Choice, float], float],
-               ) -> list[Choice]:
+               against: Choice | None = None) -> list[Choice]:
     """The uniform plans not compiled yet that the model does not rule out: they could fit and
-    could cost no more than `best` (see the module docstring)."""
+    could cost no more than `best` (see the module docstring); with `against`, no more than it by
+    the model's FLOPs, within the margin of `best`'s rank."""
     scale = min(1.0, *_ratios(points, predicted, compiled.figures))  # never scaled up (see the module docstring)
     slack = WIN_MARGIN * abs(rank(best, compiled.figures[best][1]))
+    ref = model.flops(best if against is None else against)
     return [u for u in uniforms if u not in compiled.figures
             and model.peak(u) * scale <= budget * (1 + FIT_MARGIN)
-            and model.flops(u) - model.flops(best) <= slack]
+            and model.flops(u) - ref <= slack]
 
 
-def _bracket(points: Sequence[Choice], predicted: Sequence[float], compiled: _Compiled, budget: int) -> None:
+@dataclass(frozen=True)
+class _Spare:
+    """`spare(point)`: the frontier point about to be compiled alone, with up to `SPARE_BATCH - 1`
+    uniform plans that could win if it fits: by the model's FLOPs no more than the point's, within
+    the margin of the best fitting candidate's rank (while none fits, the costliest compiled one's,
+    which is lower: the plan that fits will cost more). A step that compiles one candidate leaves
+    a core idle; a uniform plan the search would most likely compile later compiles there in the
+    same wall time. The batch size is fixed, not the machine's core count, so that which
+    candidates are compiled does not depend on the machine."""
+
+    uniforms: Sequence[Choice]
+    model: Estimates
+    compiled: _Compiled
+    points: Sequence[Choice]
+    predicted: Sequence[float]
+    budget: int
+    rank: Callable[[Choice, float], float]
+
+    def __call__(self, point: Choice, *more: Choice) -> tuple[Choice, ...]:
+        figures = self.compiled.figures
+        batch = (point, *more)
+        if not figures or len(batch) >= SPARE_BATCH:
+            return batch
+        best = _best(self.compiled, self.budget, self.rank)
+        if best is None:
+            best = max(figures, key=lambda c: self.rank(c, figures[c][1]))
+        ready = [u for u in _could_win(self.uniforms, self.model, self.compiled, self.points, self.predicted,
+                                       self.budget, best, self.rank, against=point) if u not in batch]
+        return batch + tuple(ready[: SPARE_BATCH - len(batch)])
+
+
+def _bracket(points: Sequence[Choice], predicted: Sequence[float], compiled: _Compiled, budget: int,
+             spare: Callable[..., tuple[Choice, ...]]) -> None:
     """Compile frontier points until a fitting one is known and the next cheaper one misses,
     compiled or as predicted by more than `MISS_MARGIN` (or the cheapest point fits).
     Interpolation by the calibrated model, falling back to bisection when the bracket does not
@@ -195,7 +236,7 @@ def _bracket(points: Sequence[Choice], predicted: Sequence[float], compiled: _Co
     steps = 0
     while hi - lo > 1 and not (lo >= 0 and _misses(points, predicted, compiled.figures, budget, lo + 1)):
         i = (lo + hi) // 2 if steps >= 2 else _guess(points, predicted, compiled.figures, budget, lo + 1, hi)
-        compiled(points[i])
+        compiled(*spare(points[i]))
         lo, hi = _known_bracket(points, compiled.figures, budget)
         steps += 1
 

@@ -138,6 +138,20 @@ def test_when_the_guess_misses_the_next_guess_is_compiled():
     assert out.choice == (6,) and out.compiled[0] == 90
 
 
+def test_a_uniform_plan_that_could_win_compiles_beside_a_lone_candidate():
+    # the guess (8) misses; the next guess (6) compiles with the uniform plan the model puts within
+    # 2% of the FLOPs, on the core a lone compile leaves idle: two steps where there were three
+    temps = [t + 20 for t in range(10, 170, 10)]
+    flops = {(i,): float(16 - i) for i in range(16)} | {(100,): 10.1}
+    batches = []
+    out = search([(i,) for i in range(16)], [(100,)],
+                 Estimates(({(i,): 10.0 * (i + 1) for i in range(16)} | {(100,): 50.0}).__getitem__, flops.__getitem__),
+                 95, lambda c: (temps[c[0]], flops[c]) if c != (100,) else (60, 9.9), lambda c, f: f,
+                 lambda floor: ValueError(floor), batches.append)
+    assert out.choice == (100,)
+    assert [int(b.split()[1]) for b in batches] == [1, 2, 1]  # (8); (6) and (100); (7), the bracket
+
+
 def test_when_two_guesses_miss_the_lowest_plan_is_compiled():
     temps = [10, 60, 70, 80, 90, 100, 110, 120]  # the model 2x under beyond the first point
     out, asked, _ = _run(temps, [10, 20, 30, 40, 50, 60, 70, 80], [], budget=45)
@@ -160,8 +174,10 @@ def test_below_the_lowest_plan_every_candidate_is_compiled_before_the_budget_is_
     with pytest.raises(ValueError, match="floor 7"):
         _run(temps, list(range(16)), [7, 160], budget=5)
     out, asked, _ = _run(temps, list(range(16)), [50, 160], budget=25)
-    # guesses, scaled, find it; the uniform plans, predicted to fit and cheaper, miss
-    assert out.choice == (1,) and asked == [(15,), (2,), (1,), (0,), (100,), (101,)]
+    # guesses, scaled, find it; the uniform plans, predicted to fit and cheaper, miss (the first
+    # compiled beside the second guess, which compiles alone otherwise)
+    assert out.choice == (1,) and asked[0] == (15,)
+    assert sorted(asked[1:3]) == [(2,), (100,)] and asked[3:] == [(1,), (0,), (101,)]
 
 
 def test_a_uniform_plan_with_fewer_flops_wins():
