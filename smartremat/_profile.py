@@ -181,7 +181,7 @@ def _compiled_temps(jobs: Sequence[tuple[Callable, tuple]]) -> list[int]:
     options for block profiles (`_cache.profiling_options`)."""
     options = profiling_options()
     with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
-        return [t for t, _ in pool.map(lambda job: compiled_temp(*job, options), jobs)]
+        return [t for t, _ in pool.map(lambda job: compiled_temp(job[0], job[1], options), jobs)]
 
 
 def _chainable(f: Callable, spec: CallSpec, n_module: int) -> int | None:
