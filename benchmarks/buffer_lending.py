@@ -5,7 +5,9 @@ The quick tutorial stack (`benchmarks/run.py --quick`) with its first (or last) 
 policy and the others without remat, k = 0 to all; each training step is compiled with XLA's
 buffer-assignment and live-range dumps, and per k the script prints the compiled temp bytes and,
 at the point of the step where the most bytes are alive, how many of them XLA keeps in its temp
-allocation and how many in the output buffers of weight gradients not written yet.
+allocation and how many in the output buffers of weight gradients not written yet. The split is
+an approximation read off the dumps: every output allocation counts as a weight gradient's, a value
+as big as its allocation is taken for the output itself, and tuple-indexed values are left out.
 
     python benchmarks/buffer_lending.py [--model tutorial] [--policy full] [--last]
 """

@@ -21,9 +21,11 @@ the two give the same temp bytes and FLOPs.
 
 With `--breakdown`, only the first call of each model, split into the small compiles that profile
 blocks and the whole-step compiles of the search (count and seconds, summed over threads, by
-wrapping `_profile.compiled_temp` where each is called from); then the time to enumerate the
-model's frontier of that plan's stages in one pass (`_solve.frontier`) and by solving once per
-point (`_solve.frontier_by_solving`, the way stages with scan runs take).
+wrapping `_profile.compiled_temp` where each is called from), and the search's steps (candidates
+compiled together, from its "compiling N candidate plan(s)" log lines, which start once planning
+has taken two seconds, so quicker searches show none); then the time to enumerate
+the model's frontier of that plan's stages with `_solve.frontier` (one pass, without scan runs)
+and by solving once per point (`_solve.frontier_by_solving`).
 
 With `--profiling-options`, per model, its block-profile programs compiled one after another with
 the options whole steps are measured with (`_cache.measuring_options`) and with those blocks are
@@ -45,7 +47,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -140,21 +144,37 @@ def breakdown(name: str) -> str:
             return out
         return compiled_temp
 
+    class Steps(logging.Handler):  # the search's "compiling N candidate plan(s)" lines: one per step
+        def __init__(self) -> None:
+            super().__init__(logging.DEBUG)
+            self.sizes: list[int] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if m := re.search(r"compiling (\d+) candidate plan\(s\)", record.getMessage()):
+                self.sizes.append(int(m.group(1)))
+
+    log, steps = logging.getLogger("smartremat"), Steps()
+    level = log.level
+    log.addHandler(steps)
+    log.setLevel(logging.DEBUG)
     _profile.compiled_temp, _verify.compiled_temp = counted("profile"), counted("step")
     try:
         smartremat.clear_caches()
         seconds, plan = _planned(name, budget_mb)
     finally:
         _profile.compiled_temp = _verify.compiled_temp = original
+        log.removeHandler(steps)
+        log.setLevel(level)
     (pn, ps), (sn, ss) = figures["profile"], figures["step"]
     times = {}
-    for how, fn in (("one pass", _solve.frontier), ("solving once per point", _solve.frontier_by_solving)):
+    for how, fn in (("_solve.frontier", _solve.frontier), ("solving once per point", _solve.frontier_by_solving)):
         t0 = time.perf_counter()
         points = fn(plan.stages)
         times[how] = (time.perf_counter() - t0, len(points))
     frontier = "; ".join(f"{how} {t:.3f} s ({n} points)" for how, (t, n) in times.items())
     return (f"{name}: first call {seconds:.2f} s; block-profile compiles {pn} ({ps:.2f} s summed over threads); "
-            f"whole-step compiles {sn} ({ss:.2f} s); Plan.compiles {plan.compiles}; "
+            f"whole-step compiles {sn} ({ss:.2f} s) in {len(steps.sizes)} steps of {steps.sizes}; "
+            f"Plan.compiles {plan.compiles}; "
             f"the model's frontier of {len(plan.stages)} stages: {frontier}")
 
 

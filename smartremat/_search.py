@@ -23,8 +23,8 @@ whole-step compile per candidate and loss; `search` compiles only:
    the model says (docs/facts.md, fact 9): by up to 1.6% of the step on the quick benchmark
    models.
 
-A step of 1 or 2 that compiles a lone frontier point compiles beside it, on the core it leaves idle,
-a uniform plan that 3 would likely compile if the point fits (`_Spare`).
+After the first compile, a step of 1 or 2 that would compile one frontier point alone compiles
+beside it a uniform plan that 3 would likely compile if the point fits (`_Spare`).
 
 Among the candidates compiled for this budget that fit, the one with the fewest compiled FLOPs
 wins (the model's FLOPs when a block is scanned: XLA counts a loop body once). Fit is therefore

@@ -6,9 +6,9 @@ later constraint only gets harder as kept bytes grow. All figures are integers, 
 result is exact; `tests/test_solve.py` checks it against brute force. Without scan runs the
 whole frontier comes from one such programme whose states also carry the peak so far
 (`_frontier_free`), and each point's choice from one programme at its peak and cost: on the quick
-ResNet's 10 stages, 44 points in 0.10 s where solving once per point, with a bisection for the
-lowest peak at each cost (`frontier_by_solving`), took 2.2-2.5 s
-(`python benchmarks/planning_time.py --breakdown`).
+ResNet's 10 stages, 44 points in 0.12 s where solving once per point, with a bisection for the
+lowest peak at each cost (`frontier_by_solving`), took 2.17 s
+(`python benchmarks/planning_time.py --breakdown`, docs/results/planning_breakdown_cpu.txt).
 """
 
 from __future__ import annotations
@@ -207,7 +207,8 @@ def frontier(stages: Sequence[Stage], max_points: int = 10_000) -> list[Solution
         return frontier_by_solving(stages, max_points)
     found = [sol for variant in _tied_variants(stages) for sol in _frontier_free(variant)]
     found = [Solution(s.choice, peak_of(stages, s.choice), cost_of(stages, s.choice)) for s in found]
-    return [_as_solved(stages, p) for p in _pareto_points(found)[-max_points:]]
+    points = _pareto_points(found)
+    return [_as_solved(stages, p) for p in points[max(0, len(points) - max_points):]]
 
 
 def _as_solved(stages: Sequence[Stage], point: Solution) -> Solution:
@@ -215,13 +216,14 @@ def _as_solved(stages: Sequence[Stage], point: Solution) -> Solution:
     cost (the same options on identical blocks, in another order) do not compile alike: on a
     4-layer transformer two orders of a tie compiled to 23.55 and 23.57 MB, with 2.8662 and
     2.8664 GFLOP, enough to change which plan the search chooses at a budget and to make the
-    compiled temp bytes rise as the budget falls. Solving, the way every frontier point was found
-    before the one-pass programme, picks the same choice as before (one programme per point)."""
+    compiled temp bytes rise as the budget falls. Solving at the point's peak and cost, under which
+    only choices reaching the point are left, picks the choice solving once per point did (one
+    programme per point; `tests/test_solve.py` checks the two agree)."""
     for variant in _tied_variants(stages):
         sol = _solve_free(variant, point.peak, cap=point.cost)
         if sol is not None and (peak_of(stages, sol.choice), cost_of(stages, sol.choice)) == (point.peak, point.cost):
             return Solution(sol.choice, point.peak, point.cost)
-    return point
+    raise AssertionError(f"no choice reaches the frontier point (peak {point.peak}, cost {point.cost})")
 
 
 def frontier_by_solving(stages: Sequence[Stage], max_points: int = 10_000) -> list[Solution]:
