@@ -213,10 +213,10 @@ def frontier(stages: Sequence[Stage], max_points: int = 10_000) -> list[Solution
 
 def _as_solved(stages: Sequence[Stage], point: Solution) -> Solution:
     """`point` with the choice that solving at its peak and cost gives. Choices tied on peak and
-    cost (the same options on identical blocks, in another order) do not compile alike: on a
-    4-layer transformer two orders of a tie compiled to 23.55 and 23.57 MB, with 2.8662 and
-    2.8664 GFLOP, enough to change which plan the search chooses at a budget and to make the
-    compiled temp bytes rise as the budget falls. Solving at the point's peak and cost, under which
+    cost (the same options on identical blocks, in another order) do not compile alike: on
+    tests/test_fit.py's 4-layer transformer another choice of a tie changed which plan the search
+    chose at a budget and made the compiled temp bytes rise as the budget fell (docs/fit.md,
+    "Planning time"). Solving at the point's peak and cost, under which
     only choices reaching the point are left, picks the choice solving once per point did (one
     programme per point; `tests/test_solve.py` checks the two agree)."""
     for variant in _tied_variants(stages):
