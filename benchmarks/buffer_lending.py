@@ -91,7 +91,8 @@ def main() -> None:
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; quick {args.model}, {n} blocks; "
           f"{'last' if args.last else 'first'} k under {args.policy}, the others without remat")
     for k in range(n + 1):
-        model = mixed(case.model, case.where, args.policy, [(i >= n - k) if args.last else (i < k) for i in range(n)])
+        chosen = [(i >= n - k) if args.last else (i < k) for i in range(n)]
+        model = mixed(case.model, case.where, [args.policy if c else None for c in chosen])
         temp, in_temp, in_gradients = at_peak(*compiled_dumps(model, case.x))
         print(f"k={k}: temp {temp / MB:7.3f} MB; at the peak demand {(in_temp + in_gradients) / MB:7.3f} MB alive: "
               f"{in_temp / MB:7.3f} MB in temp, {in_gradients / MB:7.3f} MB in weight-gradient buffers", flush=True)

@@ -176,7 +176,7 @@ def _figures(opts: list, scanned: bool) -> tuple[tuple[int, ...], tuple[int, ...
         return (tuple(o.saved_bytes for o in opts), tuple(o.peak_bytes for o in opts),
                 tuple(o.recompute.flops for o in opts))
     saved = tuple(o.residual_bytes for o in opts)
-    peak = tuple(o.residual_bytes + max(o.peak_bytes - o.saved_bytes, 0) for o in opts)
+    peak = tuple(o.residual_bytes + max(o.peak_bytes - max(o.saved_bytes, 0), 0) for o in opts)
     return saved, peak, tuple(o.recompute.flops for o in opts)
 
 

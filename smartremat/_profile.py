@@ -249,7 +249,7 @@ def _profile_uncached(spec: CallSpec, call: Callable, menu: tuple, calibrate: bo
     options = []
     for j, m in enumerate(raw):
         measured = calibrated[j] if calibrated is not None else None
-        saved = max(measured, 0) if measured is not None else m.internal + m.args
+        saved = measured if measured is not None else m.internal + m.args
         peak = peaks[j] if peaks is not None else m.internal + m.args + _transient(raw[0])
         options.append(PolicyProfile(
             m.option, int(saved), int(max(peak, saved)), int(m.internal + m.args),
@@ -311,17 +311,22 @@ def _calibration(raw: list[_Measured], spec: CallSpec, n_module: int,
     Returns `(peaks, saved)`, or `(None, None)` when not calibrating. `peaks[j]` is the compiled
     temp bytes of the block's gradient alone under option `j`. When the block's output can feed
     its first argument, `saved[j]` is measured on copies in a row, each with its own parameters,
-    the last one without remat (so that its backward, run while the copies before it keep their
-    bytes, is the peak):
+    the last ones without remat (so that the backward of the last, run while the copies before
+    it keep their bytes, is the peak):
 
     - `temp(j, j, none) - temp(j, none)`: what one more copy under `j` adds, with its input a
       temporary as in a stack, and after XLA placed what it could in the copy's own gradient
       buffers, which are written later (docs/facts.md, fact 11: under `dots_saveable` the tutorial
       block keeps nothing in the temp bytes);
-    - `temp(j, none) - peaks[none]`, when `temp(j, none) > peaks[j]`.
+    - `temp(j, none) - peaks[none]`, when `temp(j, none) > peaks[j]`;
+    - otherwise (the copy under `j` hides below its own peak) `temp(j, none, none, none) -
+      temp(none, none, none)`, compiled in a second round: it is negative where the copy
+      lends its gradient buffers, written last, to the activations of the copies after it
+      (fact 12: the tutorial block under full remat takes 3.875 MB off the copies after it). Where
+      that chain too stays below the copy's own peak, it is an upper bound (the model over-predicts).
 
     Each overstates in some programs (a short chain has buffers a long stack shares), so the
-    smaller counts (docs/fit.md, "Model error").
+    smallest counts (docs/fit.md, "Model error").
     """
     if not calibrate:
         return None, None
@@ -337,9 +342,21 @@ def _calibration(raw: list[_Measured], spec: CallSpec, n_module: int,
     saved = []
     for j in range(len(raw)):
         one, two = chains[2 * j], chains[2 * j + 1]
-        estimates = [two - one] + ([one - peaks[0]] if one > peaks[j] else [])
-        saved.append(min(estimates))
+        saved.append(max(min([two - one] + ([one - peaks[0]] if one > peaks[j] else [])), 0))
+    hidden = [j for j in range(1, len(raw)) if chains[2 * j] <= peaks[j]]
+    if hidden:  # the none option's longer chain is three copies without remat
+        saved = _with_lending(saved, hidden, chains[1], raw, spec, n_module, chain_at)
     return peaks, saved
+
+
+def _with_lending(saved: list[int], hidden: Sequence[int], three_none: int, raw: list[_Measured],
+                  spec: CallSpec, n_module: int, chain_at: int) -> list[int]:
+    """`saved` with, for each option in `hidden` (below its own peak in the first chains),
+    `temp(j, none, none, none) - temp(none, none, none)` where smaller: what a copy under `j`
+    adds to (or, lending its gradient buffers, takes off) three copies without remat after it."""
+    jobs = [_chain_job([raw[j].f] + [raw[0].f] * 3, spec, n_module, chain_at) for j in hidden]
+    lending = {j: t - three_none for j, t in zip(hidden, _compiled_temps(jobs))}
+    return [min(s, lending[j]) if j in lending else s for j, s in enumerate(saved)]
 
 
 def _chain_job(fs: Sequence[Callable], spec: CallSpec, n_module: int, chain_at: int) -> tuple[Callable, tuple]:

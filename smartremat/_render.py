@@ -70,6 +70,13 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join([fmt(head), "  ".join("-" * w for w in widths), *map(fmt, rows)])
 
 
+_LENDS = "; below zero where a block's gradient buffers hold later blocks' activations"
+
+
+def _lends(plan: Plan) -> bool:
+    return any(o.saved_bytes < 0 for b in plan.blocks for o in b.options)
+
+
 def _totals(plan: Plan) -> list[str]:
     overhead = 100 * plan.recompute_flops / plan.forward_flops if plan.forward_flops else 0.0
     lines = [
@@ -80,7 +87,7 @@ def _totals(plan: Plan) -> list[str]:
         f"   lowest reachable {plan.min_peak_bytes / MB:.2f} MB",
         f"recompute       {plan.recompute_flops / 1e9:10.3f} GFLOP ({overhead:.1f}% of the forward)",
         f"planned in      {plan.planning_seconds:10.2f} s on {plan.backend}, {plan.compiles} whole-step compiles   "
-        "(* = chosen; MB kept for the backward)",
+        "(* = chosen; MB kept for the backward" + (_LENDS if _lends(plan) else "") + ")",
     ]
     return lines + [f"note: {n}" for n in plan.notes]
 
