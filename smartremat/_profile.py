@@ -310,52 +310,48 @@ def _calibration(raw: list[_Measured], spec: CallSpec, n_module: int,
 
     Returns `(peaks, saved)`, or `(None, None)` when not calibrating. `peaks[j]` is the compiled
     temp bytes of the block's gradient alone under option `j`. When the block's output can feed
-    its first argument, `saved[j]` is measured on copies in a row, each with its own parameters,
-    the last ones without remat (so that the backward of the last, run while the copies before
-    it keep their bytes, is the peak):
+    its first argument, `saved[j]` is measured on copies of the block in a row, each with its own
+    parameters, the others without remat: `temp(none, j, none) - temp(none, none)`, what a copy
+    under `j` adds with its input a temporary and a copy without remat after it, whose backward
+    (the peak) runs while the copy keeps its bytes; for no remat, `temp(none x 3) - temp(none x 2)`.
+    These are what each block keeps in long stacks, where a chain starting with the copy under `j`
+    misses its input (docs/fit.md, "Model error": on a 24-layer transformer, d=768, each block
+    under full remat keeps 12 MB, the chain `temp(j, j, none) - temp(j, none)` said 47.77).
 
-    - `temp(j, j, none) - temp(j, none)`: what one more copy under `j` adds, with its input a
-      temporary as in a stack, and after XLA placed what it could in the copy's own gradient
-      buffers, which are written later (docs/facts.md, fact 11: under `dots_saveable` the tutorial
-      block keeps nothing in the temp bytes);
-    - `temp(j, none) - peaks[none]`, when `temp(j, none) > peaks[j]`;
-    - otherwise (the copy under `j` hides below its own peak) `temp(j, none, none, none) -
-      temp(none, none, none)`, compiled in a second round: it is negative where the copy
-      lends its gradient buffers, written last, to the activations of the copies after it
-      (fact 12: the tutorial block under full remat takes 3.875 MB off the copies after it). Where
-      that chain too stays below the copy's own peak, it is an upper bound (the model over-predicts).
-
-    Each overstates in some programs (a short chain has buffers a long stack shares), so the
-    smallest counts (docs/fit.md, "Model error").
+    Where the middle copy's own peak sets the chain's temp bytes (the copy is hidden below it), a
+    second round compiles `temp(none, j, none x 3) - temp(none x 4)` and takes it where smaller:
+    below zero where the copy lends its weight gradients' output buffers, written last, to the
+    activations of the copies after it (docs/facts.md, fact 12: the tutorial block under full
+    remat takes 3.875 MB off them). Where that chain too is hidden, it is an upper bound.
     """
     if not calibrate:
         return None, None
     jobs = [(grad_step(m.f, spec), spec.dynamic) for m in raw]
     chain_at = _chainable(raw[0].f, spec, n_module)
-    if chain_at is not None:
-        jobs += [_chain_job([m.f] * k + [raw[0].f], spec, n_module, chain_at) for m in raw for k in (1, 2)]
-    temps = _compiled_temps(jobs)
-    peaks = temps[: len(raw)]
     if chain_at is None:
-        return peaks, [None] * len(raw)
-    chains = temps[len(raw):]
-    saved = []
-    for j in range(len(raw)):
-        one, two = chains[2 * j], chains[2 * j + 1]
-        saved.append(max(min([two - one] + ([one - peaks[0]] if one > peaks[j] else [])), 0))
-    hidden = [j for j in range(1, len(raw)) if chains[2 * j] <= peaks[j]]
-    if hidden:  # the none option's longer chain is three copies without remat
-        saved = _with_lending(saved, hidden, chains[1], raw, spec, n_module, chain_at)
+        return _compiled_temps(jobs), [None] * len(raw)
+    none = raw[0].f
+    chains = [[none, none], [none, none, none]] + [[none, m.f, none] for m in raw[1:]]
+    temps = _compiled_temps(jobs + [_chain_job(c, spec, n_module, chain_at) for c in chains])
+    peaks = temps[: len(raw)]
+    two, three, *middle = temps[len(raw):]
+    saved = [three - two] + [t - two for t in middle]
+    first = two - peaks[0]  # what the first copy without remat keeps while the middle one peaks
+    hidden = [j for j in range(1, len(raw)) if middle[j - 1] <= first + peaks[j]]
+    if hidden:
+        saved = _with_lending(saved, hidden, raw, spec, n_module, chain_at)
     return peaks, saved
 
 
-def _with_lending(saved: list[int], hidden: Sequence[int], three_none: int, raw: list[_Measured],
-                  spec: CallSpec, n_module: int, chain_at: int) -> list[int]:
-    """`saved` with, for each option in `hidden` (below its own peak in the first chains),
-    `temp(j, none, none, none) - temp(none, none, none)` where smaller: what a copy under `j`
-    adds to (or, lending its gradient buffers, takes off) three copies without remat after it."""
-    jobs = [_chain_job([raw[j].f] + [raw[0].f] * 3, spec, n_module, chain_at) for j in hidden]
-    lending = {j: t - three_none for j, t in zip(hidden, _compiled_temps(jobs))}
+def _with_lending(saved: list[int], hidden: Sequence[int], raw: list[_Measured], spec: CallSpec,
+                  n_module: int, chain_at: int) -> list[int]:
+    """`saved` with, for each option `j` in `hidden`, `temp(none, j, none x 3) - temp(none x 4)`
+    where smaller: what a copy under `j` adds to (or, lending its gradient buffers, takes off)
+    copies without remat, three after it so that their backward is the peak."""
+    none = raw[0].f
+    chains = [[none] * 4] + [[none, raw[j].f, none, none, none] for j in hidden]
+    base, *temps = _compiled_temps([_chain_job(c, spec, n_module, chain_at) for c in chains])
+    lending = {j: t - base for j, t in zip(hidden, temps)}
     return [min(s, lending[j]) if j in lending else s for j, s in enumerate(saved)]
 
 

@@ -27,7 +27,9 @@ After the first compile, a step of 1 or 2 that would compile one frontier point 
 beside it a uniform plan that 3 would likely compile if the point fits (`_Spare`).
 
 Among the candidates compiled for this budget that fit, the one with the fewest compiled FLOPs
-wins (the model's FLOPs when a block is scanned: XLA counts a loop body once). Fit is therefore
+wins (the model's FLOPs when a block is scanned: XLA counts a loop body once); candidates within
+`TIE_MARGIN` of it, and no costlier than a fitting uniform plan, are tied, and the one of fewest
+temp bytes wins. Fit is therefore
 read off the compiler; never costing more than a fitting uniform plan or frontier point holds for
 those the model does not rule out, which is all of them when the model errs by a constant factor
 (the tests check it against compiling everything). Which candidates are compiled depends only on the budget and the
@@ -55,6 +57,12 @@ MISS_MARGIN = 0.05
 FIT_MARGIN = 0.10
 #: ... and the model's FLOPs exceed the best fitting candidate's by at most this share of its own.
 WIN_MARGIN = 0.02
+#: Fitting candidates whose rank is within this share of the lowest are tied, and the one of fewest
+#: temp bytes is chosen: XLA's fusion moves compiled FLOPs by this much between plans the model
+#: counts alike (tests/test_fit.py's transformer: 0.18% between `dots_saveable` on every layer and on
+#: all but the last, whose order the compiler reversed), and a choice made on such a difference
+#: made the compiled temp bytes rise as the budget fell.
+TIE_MARGIN = 0.005
 #: Candidates compiled together in one search step: a step that needs one fills the second with a
 #: uniform plan that could win (`_Spare`).
 SPARE_BATCH = 2
@@ -163,7 +171,7 @@ def search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimate
         best = _best(compiled, budget, rank)
         if best is not None:
             compiled(*_could_win(uniforms, model, compiled, points, predicted, budget, best, rank))
-            best = _best(compiled, budget, rank)
+            best = _chosen(compiled, budget, rank, uniforms)
         if best is None:
             everything = (*uniforms, *points)
             if all(c in compiled.figures for c in everything):
@@ -179,6 +187,18 @@ def _best(compiled: _Compiled, budget: int, rank: Callable[[Choice, float], floa
     """The compiled candidate that fits (as far as known) with the lowest rank."""
     fits = [(rank(c, f), t, c) for c, (t, f) in compiled.figures.items() if t <= budget]
     return min(fits)[2] if fits else None
+
+
+def _chosen(compiled: _Compiled, budget: int, rank: Callable[[Choice, float], float],
+            uniforms: Sequence[Choice]) -> Choice | None:
+    """Among the compiled candidates that fit, those within `TIE_MARGIN` of the lowest rank and
+    no costlier than any fitting uniform plan are tied; the one of fewest temp bytes wins."""
+    fits = [(rank(c, f), t, c) for c, (t, f) in compiled.figures.items() if t <= budget]
+    if not fits:
+        return None
+    low = min(r for r, _, _ in fits)
+    cap = min([low + TIE_MARGIN * abs(low)] + [r for r, _, c in fits if c in uniforms])
+    return min((t, r, c) for r, t, c in fits if r <= cap)[2]
 
 
 def _could_win(uniforms: Sequence[Choice], model: Estimates, compiled: _Compiled, points: Sequence[Choice],

@@ -256,3 +256,17 @@ def test_uniform_policies_merged_for_every_block_are_one_choice():
     names = [p.name for p in DEFAULT_MENU]
     dots, no_batch = (DEFAULT_MENU[names.index(n)] for n in ("dots_saveable", "dots_with_no_batch_dims_saveable"))
     assert _planner.uniform(built, no_batch) == _planner.uniform(built, dots) != _planner.uniform(built, DEFAULT_MENU[0])
+
+
+@pytest.mark.parametrize("uniform_flops,want", [(3.0, (0,)), (2.0, (1,))])
+def test_candidates_within_the_tie_margin_go_to_the_fewest_temp_bytes(uniform_flops, want):
+    # compiled FLOPs 0.25% apart are a tie (XLA's fusion moves them that much between plans the model
+    # counts alike): the plan of fewer temp bytes wins, unless it costs more than a fitting uniform plan
+    from types import SimpleNamespace
+
+    from smartremat._search import TIE_MARGIN, _chosen
+
+    figures = {(0,): (10, 2.005), (1,): (12, 2.0), (100,): (15, uniform_flops), (2,): (30, 1.0)}
+    assert (2.005 - 2.0) / 2.0 < TIE_MARGIN
+    assert _chosen(SimpleNamespace(figures=figures), 20, lambda c, f: f, [(100,)]) == want
+    assert _chosen(SimpleNamespace(figures=figures), 9, lambda c, f: f, [(100,)]) is None
