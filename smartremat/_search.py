@@ -16,8 +16,8 @@ whole-step compile per candidate and loss; `search` compiles only:
    it fits, and the next cheaper point misses, compiled or as predicted by more than `MISS_MARGIN`
    of the budget when scaled by the smallest ratio seen (or it is the cheapest of all);
 3. the uniform plans that could win: their predicted peak, scaled by the smallest ratio seen if
-   below 1 (never up: on the ResNet mixed plans are under-predicted by 16-20% and uniform plans
-   are not), fits within `FIT_MARGIN` of the budget, and the model's FLOPs exceed the best fitting
+   below 1 (never up: one under-predicted mixed plan must not rule out a uniform plan the model
+   predicts well; with d61ddb0's profile the ResNet's mixed plans were 16-20% under), fits within `FIT_MARGIN` of the budget, and the model's FLOPs exceed the best fitting
    candidate's by at most `WIN_MARGIN` of its rank (its compiled FLOPs; the model's recompute
    FLOPs when a block is scanned). After XLA's fusion a uniform policy can take fewer FLOPs than
    the model says (docs/facts.md, fact 9): by up to 1.6% of the step on the quick benchmark
@@ -59,9 +59,8 @@ FIT_MARGIN = 0.10
 WIN_MARGIN = 0.02
 #: Fitting candidates whose rank is within this share of the lowest are tied, and the one of fewest
 #: temp bytes is chosen: XLA's fusion moves compiled FLOPs by this much between plans the model
-#: counts alike (tests/test_fit.py's transformer: 0.18% between `dots_saveable` on every layer and on
-#: all but the last, whose order the compiler reversed), and a choice made on such a difference
-#: made the compiled temp bytes rise as the budget fell.
+#: orders otherwise, and a choice made on such a difference made the compiled temp bytes rise as the
+#: budget fell (tests/test_step.py's and tests/test_fit.py's transformer; docs/fit.md, "Planning time").
 TIE_MARGIN = 0.005
 #: Candidates compiled together in one search step: a step that needs one fills the second with a
 #: uniform plan that could win (`_Spare`).
