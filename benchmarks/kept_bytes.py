@@ -36,7 +36,8 @@ SHORT = {"none": "none", "dots_saveable": "dots", "dots_with_no_batch_dims_savea
 
 
 def stack(d: int, n: int) -> Stack:
-    return eqx.filter_eval_shape(lambda: Stack([GPTBlock(d, d // 64, k) for k in jax.random.split(jax.random.key(0), n)]))
+    keys = jax.random.split(jax.random.key(0), n)
+    return eqx.filter_eval_shape(lambda: Stack([GPTBlock(d, d // 64, k) for k in keys]))
 
 
 def compiled(d: int, n: int, policy: str) -> int:
@@ -93,7 +94,8 @@ def main() -> None:
         new = (c["nj"] - c["n"]) / MB if c else float("nan")
         first = (c["j"] - c["alone"]) / MB if c else float("nan")
         print(f"{short:>8} " + " ".join(f"{t / MB:12.2f}" for t in temps)
-              + f" {per_block / MB:10.2f} {old:14.2f} {first:12.2f} {new:14.2f} {kept.get(name, float('nan')) / MB:9.2f}",
+              + f" {per_block / MB:10.2f} {old:14.2f} {first:12.2f} {new:14.2f}"
+              + f" {kept.get(name, float('nan')) / MB:9.2f}",
               flush=True)
 
 

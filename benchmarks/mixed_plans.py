@@ -77,6 +77,9 @@ def main() -> None:
     stage_of = _stage_blocks(plan, case.model, list(case.where(case.model)))
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; quick {args.model}, {n} blocks; "
           "compiled / predicted temp MB")
+    row = plan.blocks[next(i for i, b in enumerate(stage_of) if b is not None)]
+    print(f"the profile's kept bytes of {row.path}, MB: "
+          + ", ".join(f"{o.name} {o.saved_bytes / MB:.3f}" for o in row.options))
     errors = []
 
     def compare(layers: list[str | None]) -> str:

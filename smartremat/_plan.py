@@ -14,7 +14,8 @@ MB = 2**20  #: smartremat's megabyte: `budget_mb=1` means 2**20 bytes.
 
 @dataclass(frozen=True)
 class PolicyFigures:
-    """One option for one block: `saved_bytes` kept for the backward, its own `peak_bytes`."""
+    """One option for one block: `saved_bytes` kept for the backward (below zero where the block's
+    gradient buffers hold later blocks' activations), its own `peak_bytes`."""
 
     name: str
     saved_bytes: int

@@ -290,7 +290,8 @@ _MAX_FRONTIER_STAGES = 64
 def verified(model: MemoryModel, config: Config, measure: Callable, error: Callable,
              sol: Solution, lowest: Solution, progress: Callable[[str], None] = logger.debug,
              confirm: Callable | None = None) -> tuple[Solution, Outcome]:
-    """The cheapest candidate whose compiled temp bytes fit the budget, found by `_search.search`
+    """The cheapest candidate whose compiled temp bytes fit the budget (within `_search.TIE_MARGIN`,
+    the one of fewest temp bytes), found by `_search.search`
     with few whole-step compiles.
 
     Candidates are the model's Pareto frontier (at most `MAX_CANDIDATES` points, spread evenly;
@@ -425,7 +426,9 @@ def _notes(model: MemoryModel, sol: Solution) -> list[str]:
                 notes.append(f"{path_str(c.path)} ({c.type_name}): {option} left out for this block, "
                              f"which failed under it ({why})")
     _, at, prior = peak_at(model.stages, sol.choice)
-    notes.append(
-        f"the peak is reached in the backward of {path_str(model.calls[model.owner[at]].path)} "
-        f"({model.calls[model.owner[at]].type_name}), while {prior / MB:.2f} MB kept by earlier blocks are alive")
+    earlier = (f"{prior / MB:.2f} MB kept by earlier blocks are alive" if prior >= 0 else
+               f"earlier blocks' gradient buffers hold {-prior / MB:.2f} MB more of later blocks' activations "
+               "than those blocks keep")
+    notes.append(f"the peak is reached in the backward of {path_str(model.calls[model.owner[at]].path)} "
+                 f"({model.calls[model.owner[at]].type_name}), while {earlier}")
     return notes

@@ -32,7 +32,8 @@ class PolicyProfile:
 
     - `option`: the option (`NO_REMAT`, a policy, a nested option); `merged`: other options of
       the menu that save exactly the same residuals for this block, and so were merged into this one.
-    - `saved_bytes`: bytes kept alive from this block's forward until its backward.
+    - `saved_bytes`: bytes kept alive from this block's forward until its backward; below zero
+      where its gradients' output buffers, written last, hold the activations of later blocks.
     - `peak_bytes`: this block's own peak during its forward and backward, its kept bytes included.
     - `residual_bytes`: the jaxpr-level residual count (before any calibration).
     - `recompute`: FLOPs and bytes that the backward recomputes (zero for no remat).
@@ -336,7 +337,7 @@ def _calibration(raw: list[_Measured], spec: CallSpec, n_module: int,
     peaks = temps[: len(raw)]
     two, three, *middle = temps[len(raw):]
     saved = [three - two] + [t - two for t in middle]
-    first = two - peaks[0]  # what the first copy without remat keeps while the middle one peaks
+    first = two - peaks[0]  # what a copy without remat keeps while the next one peaks
     hidden = [j for j in range(1, len(raw)) if middle[j - 1] <= first + peaks[j]]
     if hidden:
         saved = _with_lending(saved, hidden, raw, spec, n_module, chain_at)

@@ -74,6 +74,7 @@ _LENDS = "; below zero where a block's gradient buffers hold later blocks' activ
 
 
 def _lends(plan: Plan) -> bool:
+    """Whether a block's kept bytes are below zero (it lends its gradient buffers)."""
     return any(o.saved_bytes < 0 for b in plan.blocks for o in b.options)
 
 

@@ -17,9 +17,10 @@ whole-step compile per candidate and loss; `search` compiles only:
    of the budget when scaled by the smallest ratio seen (or it is the cheapest of all);
 3. the uniform plans that could win: their predicted peak, scaled by the smallest ratio seen if
    below 1 (never up: one under-predicted mixed plan must not rule out a uniform plan the model
-   predicts well; with d61ddb0's profile the ResNet's mixed plans were 16-20% under), fits within `FIT_MARGIN` of the budget, and the model's FLOPs exceed the best fitting
-   candidate's by at most `WIN_MARGIN` of its rank (its compiled FLOPs; the model's recompute
-   FLOPs when a block is scanned). After XLA's fusion a uniform policy can take fewer FLOPs than
+   predicts well; with d61ddb0's profile the ResNet's mixed plans were 16-20% under), fits
+   within `FIT_MARGIN` of the budget, and the model's FLOPs exceed the best fitting candidate's
+   by at most `WIN_MARGIN` of its rank (its compiled FLOPs; the model's recompute FLOPs when a
+   block is scanned). After XLA's fusion a uniform policy can take fewer FLOPs than
    the model says (docs/facts.md, fact 9): by up to 1.6% of the step on the quick benchmark
    models.
 
@@ -29,11 +30,12 @@ beside it a uniform plan that 3 would likely compile if the point fits (`_Spare`
 Among the candidates compiled for this budget that fit, the one with the fewest compiled FLOPs
 wins (the model's FLOPs when a block is scanned: XLA counts a loop body once); candidates within
 `TIE_MARGIN` of it, and no costlier than a fitting uniform plan, are tied, and the one of fewest
-temp bytes wins. Fit is therefore
-read off the compiler; never costing more than a fitting uniform plan or frontier point holds for
-those the model does not rule out, which is all of them when the model errs by a constant factor
-(the tests check it against compiling everything). Which candidates are compiled depends only on the budget and the
-signature, never on what was planned before.
+temp bytes wins (among those compiled: the rule does not compile more). Fit is therefore read off
+the compiler; never costing more than a fitting uniform plan, nor more than `TIE_MARGIN` above a
+fitting frontier point, holds for those the model does not rule out, which is all of them when the
+model errs by a constant factor (the tests check it against compiling everything). Which
+candidates are compiled depends only on the budget and the signature, never on what was planned
+before.
 
 With several losses (the decorator without `loss=`), the search compiles each candidate under
 the first loss only; a candidate's temp bytes under every loss (the largest counts) are compiled
@@ -143,7 +145,8 @@ def search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimate
            measure: Callable[[Choice], tuple[int, float]], rank: Callable[[Choice, float], float],
            error: Callable[[int], Exception], progress: Callable[[str], None],
            confirm: Callable[[Choice], tuple[int, float]] | None = None) -> Outcome:
-    """The cheapest candidate whose compiled temp bytes fit `budget`.
+    """The cheapest candidate whose compiled temp bytes fit `budget` (within `TIE_MARGIN`, the one
+    of fewest temp bytes).
 
     **Arguments:**
 

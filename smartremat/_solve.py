@@ -188,7 +188,8 @@ def _min_peak_bisect(stages: Sequence[Stage]) -> Solution:
     """Lowest limit any choice fits (bisection on the exact DP), then the cheapest there."""
     variants = list(_tied_variants(stages))
     lo = 0
-    hi = sum(max(max(st.saved), 0) + st.split_extra for st in stages) + max(max(st.peak) + st.split_extra for st in stages)
+    hi = sum(max(max(st.saved), 0) + st.split_extra for st in stages)  # kept bytes below zero only lower it
+    hi += max(max(st.peak) + st.split_extra for st in stages)
     while lo < hi:
         mid = (lo + hi) // 2
         if any(_solve_free(v, mid) is not None for v in variants):

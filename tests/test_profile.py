@@ -222,7 +222,8 @@ def test_blocks_that_lend_their_gradient_buffers_to_later_blocks_are_predicted(l
     assert peak_of(plan.stages, choice) + plan.fixed_bytes == pytest.approx(compiled, rel=0.05)
 
 
-@pytest.mark.parametrize("policy,short", [("dots_with_no_batch_dims_saveable", "dots_nb"), ("nothing_saveable", "full")])
+@pytest.mark.parametrize("policy,short",
+                         [("dots_with_no_batch_dims_saveable", "dots_nb"), ("nothing_saveable", "full")])
 def test_kept_bytes_are_what_each_block_of_a_long_stack_keeps(policy, short):
     # what one more block under `policy` adds to a stack of blocks under it, measured by the compiler
     # on 8 and 4 blocks (abstract: nothing is allocated). A chain starting with the copy under the
@@ -234,7 +235,8 @@ def test_kept_bytes_are_what_each_block_of_a_long_stack_keeps(policy, short):
     x = jax.ShapeDtypeStruct((8, 512, 768), jnp.float32)
 
     def stack(n):
-        return eqx.filter_eval_shape(lambda: Stack([GPTBlock(768, 12, k) for k in jax.random.split(jax.random.key(0), n)]))
+        keys = jax.random.split(jax.random.key(0), n)
+        return eqx.filter_eval_shape(lambda: Stack([GPTBlock(768, 12, k) for k in keys]))
 
     def compiled(n):
         model = stack(n)
