@@ -36,8 +36,10 @@ SHORT = {"none": "none", "dots_saveable": "dots", "dots_with_no_batch_dims_savea
 
 
 def stack(d: int, n: int) -> Stack:
-    keys = jax.random.split(jax.random.key(0), n)
-    return eqx.filter_eval_shape(lambda: Stack([GPTBlock(d, d // 64, k) for k in keys]))
+    def build() -> Stack:
+        return Stack([GPTBlock(d, d // 64, k) for k in jax.random.split(jax.random.key(0), n)])
+
+    return eqx.filter_eval_shape(build)
 
 
 def compiled(d: int, n: int, policy: str) -> int:
