@@ -312,48 +312,52 @@ def _calibration(raw: list[_Measured], spec: CallSpec, n_module: int,
     Returns `(peaks, saved)`, or `(None, None)` when not calibrating. `peaks[j]` is the compiled
     temp bytes of the block's gradient alone under option `j`. When the block's output can feed
     its first argument, `saved[j]` is measured on copies of the block in a row, each with its own
-    parameters, the others without remat: `temp(none, j, none) - temp(none, none)`, what a copy
-    under `j` adds with its input a temporary and a copy without remat after it, whose backward
-    (the peak) runs while the copy keeps its bytes; for no remat, `temp(none x 3) - temp(none x 2)`.
-    These are what each block keeps in long stacks, where a chain starting with the copy under `j`
-    misses its input (docs/fit.md, "Model error": on a 24-layer transformer, d=768, each block
-    under full remat keeps 12 MB, the chain `temp(j, j, none) - temp(j, none)` said 47.77).
+    parameters, so that the backward of a last copy without remat is the peak while the copies
+    before it keep their bytes: `temp(j, j, none) - temp(j, none)`, what one more copy under `j`
+    adds with its input a temporary as in a stack (for no remat, `temp(none x 3) - temp(none x 2)`).
 
-    Where the middle copy's own peak sets the chain's temp bytes (the copy is hidden below it), a
-    second round compiles `temp(none, j, none x 3) - temp(none x 4)` and takes it where smaller:
-    below zero where the copy lends its weight gradients' output buffers, written last, to the
-    activations of the copies after it (docs/facts.md, fact 12: the tutorial block under full
-    remat takes 3.875 MB off them). Where that chain too is hidden, it is an upper bound.
+    Where the copy under `j` hides below its own peak in `(j, none)`, that difference overstates
+    (a 24-layer transformer at d=768 keeps 12 MB a block under full remat, the difference said
+    47.77: docs/facts.md, fact 14), and a second round measures `temp(none, j, none) -
+    temp(none, none)`; where the copy hides there too, also `temp(none, j, none x 3) -
+    temp(none x 4)`, taking the smaller: below zero where the copy lends its weight gradients'
+    output buffers, written last, to the activations of the copies after it (fact 12: the tutorial
+    block under full remat takes 3.875 MB off them). Where that chain too is hidden, it is an
+    upper bound.
     """
     if not calibrate:
         return None, None
     jobs = [(grad_step(m.f, spec), spec.dynamic) for m in raw]
     chain_at = _chainable(raw[0].f, spec, n_module)
-    if chain_at is None:
-        return _compiled_temps(jobs), [None] * len(raw)
-    none = raw[0].f
-    chains = [[none, none], [none, none, none]] + [[none, m.f, none] for m in raw[1:]]
-    temps = _compiled_temps(jobs + [_chain_job(c, spec, n_module, chain_at) for c in chains])
+    if chain_at is not None:
+        jobs += [_chain_job([m.f] * k + [raw[0].f], spec, n_module, chain_at) for m in raw for k in (1, 2)]
+    temps = _compiled_temps(jobs)
     peaks = temps[: len(raw)]
-    two, three, *middle = temps[len(raw):]
-    saved = [three - two] + [t - two for t in middle]
-    first = two - peaks[0]  # what a copy without remat keeps while the next one peaks
-    hidden = [j for j in range(1, len(raw)) if middle[j - 1] <= first + peaks[j]]
-    if hidden:
-        saved = _with_lending(saved, hidden, raw, spec, n_module, chain_at)
+    if chain_at is None:
+        return peaks, [None] * len(raw)
+    chains = temps[len(raw):]
+    saved = [chains[2 * j + 1] - chains[2 * j] for j in range(len(raw))]
+    hidden = [j for j in range(1, len(raw)) if chains[2 * j] <= peaks[j]]
+    if hidden:  # the none option's chains are two and three copies without remat
+        saved = _between(saved, hidden, peaks, chains[0], raw, spec, n_module, chain_at)
     return peaks, saved
 
 
-def _with_lending(saved: list[int], hidden: Sequence[int], raw: list[_Measured], spec: CallSpec,
-                  n_module: int, chain_at: int) -> list[int]:
-    """`saved` with, for each option `j` in `hidden`, `temp(none, j, none x 3) - temp(none x 4)`
-    where smaller: what a copy under `j` adds to (or, lending its gradient buffers, takes off)
-    copies without remat, three after it so that their backward is the peak."""
+def _between(saved: list[int], hidden: Sequence[int], peaks: Sequence[int], two_none: int,
+             raw: list[_Measured], spec: CallSpec, n_module: int, chain_at: int) -> list[int]:
+    """`saved` with, for each option `j` in `hidden`, `temp(none, j, none) - temp(none, none)`; where
+    the copy under `j` hides below its own peak there too, the smaller of that and
+    `temp(none, j, none x 3) - temp(none x 4)`: what a copy under `j` adds to (or, lending its
+    gradient buffers, takes off) copies without remat after it."""
     none = raw[0].f
-    chains = [[none] * 4] + [[none, raw[j].f, none, none, none] for j in hidden]
-    base, *temps = _compiled_temps([_chain_job(c, spec, n_module, chain_at) for c in chains])
-    lending = {j: t - base for j, t in zip(hidden, temps)}
-    return [min(s, lending[j]) if j in lending else s for j, s in enumerate(saved)]
+    chains = [[none] * 4] + [c for j in hidden for c in ([none, raw[j].f, none], [none, raw[j].f] + [none] * 3)]
+    four, *temps = _compiled_temps([_chain_job(c, spec, n_module, chain_at) for c in chains])
+    first = two_none - peaks[0]  # what a copy without remat keeps while the next one peaks
+    out = list(saved)
+    for k, j in enumerate(hidden):
+        middle, lending = temps[2 * k] - two_none, temps[2 * k + 1] - four
+        out[j] = min(middle, lending) if temps[2 * k] <= first + peaks[j] else middle
+    return out
 
 
 def _chain_job(fs: Sequence[Callable], spec: CallSpec, n_module: int, chain_at: int) -> tuple[Callable, tuple]:
