@@ -27,6 +27,7 @@ from ._nested import nested_options
 from ._solve import Solution, frontier, min_peak, solve
 from ._serialise import signature
 from ._spec import CallSpec, shardings_hidden
+from ._head import in_place
 from ._verify import DEFAULT_LOSSES, compiled_step
 from ._search import MAX_CANDIDATES, Estimates, Outcome, search, spread
 
@@ -246,6 +247,8 @@ def make_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Pl
     t0 = time.perf_counter()
     progress = progress_log(type(module).__name__, t0)
     model = build_model(call, spec, module, config, progress)
+    if config.calibrate:
+        model = in_place(model, call, spec, config.losses[0])
     stages, fixed = model.stages, model.fixed_bytes
     lowest = min_peak(stages)
     sol = solve(stages, config.budget_bytes - fixed)

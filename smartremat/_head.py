@@ -1,0 +1,95 @@
+"""The last block of a stack in place: with what follows it in the module, and the loss.
+
+A block's own peak is profiled alone, under a stand-in loss on its outputs. The backward of the
+last block of a stack, though, runs right after the backward of what follows it (a language
+model's head and its cross-entropy, say), while every earlier block's kept bytes are alive. On
+the quick GPT (`benchmarks/run.py --quick`) the compiled step without remat peaks 18 MB above
+what the profiles predicted, for every plan that leaves the last block without remat
+(docs/facts.md, fact 15).
+
+So one program is compiled in place: the module's call under the plan's first loss, with each
+block before the stack's last one skipped (its call returns its first argument, which has its
+output's shape: no work, nothing kept; a block that changes shapes, such as a stem, runs under
+its option of fewest kept bytes) and the last one without remat. What it takes beyond the glue's
+residuals (`MemoryModel.fixed_bytes`), the unskipped blocks' kept bytes and the last block's own
+is what follows the block (the head's backward); under each option, the last block's own peak is
+then at least its kept bytes plus that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ._apply import run
+from ._cache import KeyedCache, environment_key, profiling_options
+from ._discover import call_module
+from ._options import NO_REMAT, Option
+from ._profile import _chainable, compiled_temp, n_module_leaves
+from ._spec import CallSpec
+from ._verify import _assignment_key, loss_step
+
+
+@dataclass(frozen=True)
+class Skipped(Option):
+    """A block's call that returns its first argument: only for measuring, never in a plan."""
+
+    @property
+    def name(self) -> str:
+        return "skipped"
+
+    def apply(self, call: Callable) -> Callable:
+        return _first_argument
+
+    def to_json(self) -> Any:
+        raise TypeError("a skipped block is only measured, never planned")
+
+
+def _first_argument(module: Any, *args: Any, **kwargs: Any) -> Any:
+    return args[0]
+
+
+def in_place(model: Any, call: Callable, spec: CallSpec, loss: Any) -> Any:
+    """`model` (a `_planner.MemoryModel`) with its last stage's peak per option compiled in
+    place (see the module docstring); `model` itself where that does not apply: one block, a
+    scanned block, the module's own call, a last block whose outputs the loss is taken on (its
+    profile already has a real loss), or a last block also called earlier."""
+    stages, calls = model.stages, model.calls
+    chain = [_chainable(c.spec.function(call_module), c.spec, n_module_leaves(c.spec)) is not None
+             and c.path != () for c in calls]
+    k = max((i for i, ci in enumerate(model.owner) if chain[ci]), default=0)
+    last = model.owner[k]
+    if (k == 0 or any(st.run is not None for st in stages) or calls[last].ends
+            or model.owner.count(last) > 1 or any(calls[ci].path == calls[last].path for ci in model.owner if ci != last)):
+        return model
+    earlier, kept = [], 0
+    for ci in dict.fromkeys(model.owner[:k]):
+        if chain[ci]:
+            earlier.append((calls[ci].path, Skipped()))
+            continue
+        least = min(model.profiles[ci].options, key=lambda o: o.saved_bytes)
+        earlier.append((calls[ci].path, least.option))
+        kept += least.saved_bytes * model.owner.count(ci)
+    none = _in_place(call, spec, tuple(earlier) + ((calls[last].path, NO_REMAT),), loss)
+    st = stages[k]
+    head = none - model.fixed_bytes - kept - st.saved[0]  # what follows the block, beside its kept bytes
+    peak = tuple(max(p, s + head) for p, s in zip(st.peak, st.saved))
+    return dataclasses.replace(model, stages=stages[:k] + (dataclasses.replace(st, peak=peak),) + stages[k + 1:])
+
+
+_CACHE: KeyedCache[int] = KeyedCache()
+
+
+def _in_place(call: Callable, spec: CallSpec, assignment: tuple, loss: Any) -> int:
+    """Compiled temp bytes of the module's call under `assignment` and `loss`, with the options
+    block profiles are compiled with (`_cache.profiling_options`): a measure, not a step that
+    runs. Cached by signature, call, assignment, loss, backend and XLA flags."""
+    key = (spec.key(), call, _assignment_key(assignment), loss, *environment_key())
+
+    def make() -> int:
+        f = spec.function(lambda m, *a, **k: run(m, call, assignment, a, k))
+        return compiled_temp(*loss_step(f, spec, loss), profiling_options())[0]
+
+    return _CACHE.get(key, make)
