@@ -47,22 +47,31 @@ class Skipped(Option):
         raise TypeError("a skipped block is only measured, never planned")
 
 
+def _skippable(spec: CallSpec) -> bool:
+    """Whether the block's output has exactly the type of its first argument."""
+    return _chainable(spec.function(call_module), spec, n_module_leaves(spec)) is not None
+
+
 def _first_argument(module: Any, *args: Any, **kwargs: Any) -> Any:
     return args[0]
 
 
 def in_place(model: Any, call: Callable, spec: CallSpec, loss: Any) -> Any:
-    """`model` (a `_planner.MemoryModel`) with its last stage's peak per option compiled in
-    place (see the module docstring); `model` itself where that does not apply: one block, a
-    scanned block, the module's own call, a last block whose outputs the loss is taken on (its
-    profile already has a real loss), or a last block also called earlier."""
+    """`model` (a `_planner.MemoryModel`) with the own peak of the stack's last block (the last
+    stage whose block returns its input's type) under each option, raised by what follows it
+    (see the module docstring); `model` itself where that does not apply: no such block after
+    another, a scanned block, a block whose outputs the loss is taken on (its profile already has
+    a real loss), or one also called elsewhere."""
     stages, calls = model.stages, model.calls
-    chain = [_chainable(c.spec.function(call_module), c.spec, n_module_leaves(c.spec)) is not None
-             and c.path != () for c in calls]
+    known: dict = {}  # one abstract trace per distinct block
+    for c in calls:
+        if c.path != () and c.spec.key() not in known:
+            known[c.spec.key()] = _skippable(c.spec)
+    chain = [c.path != () and known[c.spec.key()] for c in calls]
     k = max((i for i, ci in enumerate(model.owner) if chain[ci]), default=0)
     last = model.owner[k]
-    if (k == 0 or any(st.run is not None for st in stages) or calls[last].ends
-            or model.owner.count(last) > 1 or any(calls[ci].path == calls[last].path for ci in model.owner if ci != last)):
+    shared = any(calls[ci].path == calls[last].path for ci in model.owner if ci != last)
+    if k == 0 or any(st.run is not None for st in stages) or calls[last].ends or shared:
         return model
     earlier, kept = [], 0
     for ci in dict.fromkeys(model.owner[:k]):
