@@ -32,9 +32,10 @@ def profiling_options() -> dict[str, Any]:
     """XLA options for the small compiles that profile one block (its own peak, its copies in a
     row): `measuring_options()` and, on the CPU, XLA's loop emitters instead of its MLIR fusion
     emitters, which halves these compiles at the same temp bytes on every block profile of the
-    benchmark models (docs/fit.md, "Planning time"). Not for whole-step compiles, whose figures
-    must be those of the step that runs: there the emitters move the quick GPT's temp bytes by up
-    to 192 bytes. `_profile.compiled_temp` falls back to `measuring_options()` where a jaxlib does
+    benchmark models (docs/fit.md, "Planning time"); also for the one compile of the module with
+    its stack's blocks skipped (`_head.in_place`), a measure too. Not for whole-step compiles,
+    whose figures must be those of the step that runs: there the emitters move the quick GPT's
+    temp bytes by up to 192 bytes. `_profile.compiled_temp` falls back to `measuring_options()` where a jaxlib does
     not know the option."""
     extra = {"xla_cpu_use_fusion_emitters": False} if jax.default_backend() == "cpu" else {}
     return {**measuring_options(), **extra}

@@ -2,18 +2,19 @@
 
 A block's own peak is profiled alone, under a stand-in loss on its outputs. The backward of the
 last block of a stack, though, runs right after the backward of what follows it (a language
-model's head and its cross-entropy, say), while every earlier block's kept bytes are alive. On
-the quick GPT (`benchmarks/run.py --quick`) the compiled step without remat peaks 18 MB above
-what the profiles predicted, for every plan that leaves the last block without remat
-(docs/facts.md, fact 15).
+model's head and its loss, say), while every earlier block's kept bytes are alive. On the quick
+GPT (`benchmarks/run.py --quick`) the compiled step without remat peaks 18 MB above what the
+profiles predicted, for every plan that leaves the last block without remat (docs/facts.md,
+fact 15).
 
-So one program is compiled in place: the module's call under the plan's first loss, with each
-block before the stack's last one skipped (its call returns its first argument, which has its
-output's shape: no work, nothing kept; a block that changes shapes, such as a stem, runs under
-its option of fewest kept bytes) and the last one without remat. What it takes beyond the glue's
-residuals (`MemoryModel.fixed_bytes`), the unskipped blocks' kept bytes and the last block's own
-is what follows the block (the head's backward); under each option, the last block's own peak is
-then at least its kept bytes plus that.
+So one program is compiled in place: the module's call under the plan's first loss (`loss=`, or
+the squared error by default) with the last block whose output has its first argument's type
+(the stack's last) without remat, each such block before it skipped (its call returns that
+argument: no work, nothing kept), and the other blocks (a stem before, a head after) under their
+option of fewest kept bytes. What it takes beyond the glue's residuals
+(`MemoryModel.fixed_bytes`), the stem's kept bytes and the block's own is what follows the block;
+under each option, the block's own peak is then at least its kept bytes plus that. The compile is
+a measure, not counted in `Plan.compiles`; where it fails, the model stays as it was.
 """
 
 from __future__ import annotations
@@ -21,15 +22,20 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import jax
 
 from ._apply import run
 from ._cache import KeyedCache, environment_key, profiling_options
 from ._discover import call_module
 from ._options import NO_REMAT, Option
-from ._profile import _chainable, compiled_temp, n_module_leaves
-from ._spec import CallSpec
+from ._profile import compiled_temp, mesh_context
+from ._spec import CallSpec, sharding_key
 from ._verify import _assignment_key, loss_step
+
+if TYPE_CHECKING:
+    from ._planner import MemoryModel
 
 
 @dataclass(frozen=True)
@@ -48,22 +54,32 @@ class Skipped(Option):
 
 
 def _skippable(spec: CallSpec) -> bool:
-    """Whether the block's output has exactly the type of its first argument."""
-    return _chainable(spec.function(call_module), spec, n_module_leaves(spec)) is not None
+    """Whether the block's first argument is one array and its output has exactly that array's
+    type (shape, dtype and, over a mesh, sharding), so that a skipped call may return it."""
+    try:
+        _, args, _ = spec.rebuild(spec.dynamic)
+        if not args or not isinstance(args[0], jax.ShapeDtypeStruct):
+            return False
+        with mesh_context(spec.dynamic):
+            out = jax.eval_shape(spec.function(call_module), *spec.dynamic)
+    except Exception:  # not traceable alone: not skipped
+        return False
+    return (isinstance(out, jax.ShapeDtypeStruct) and (out.shape, out.dtype) == (args[0].shape, args[0].dtype)
+            and sharding_key(out) == sharding_key(args[0]))
 
 
 def _first_argument(module: Any, *args: Any, **kwargs: Any) -> Any:
     return args[0]
 
 
-def in_place(model: Any, call: Callable, spec: CallSpec, loss: Any) -> Any:
-    """`model` (a `_planner.MemoryModel`) with the own peak of the stack's last block (the last
+def in_place(model: MemoryModel, call: Callable, spec: CallSpec, loss: Any) -> MemoryModel:
+    """`model` with the own peak of the stack's last block (the last
     stage whose block returns its input's type) under each option, raised by what follows it
     (see the module docstring); `model` itself where that does not apply: no such block after
     another, a scanned block, a block whose outputs the loss is taken on (its profile already has
     a real loss), or one also called elsewhere."""
     stages, calls = model.stages, model.calls
-    known: dict = {}  # one abstract trace per distinct block
+    known: dict[tuple, bool] = {}  # one abstract trace per distinct block
     for c in calls:
         if c.path != () and c.spec.key() not in known:
             known[c.spec.key()] = _skippable(c.spec)
@@ -73,15 +89,15 @@ def in_place(model: Any, call: Callable, spec: CallSpec, loss: Any) -> Any:
     shared = any(calls[ci].path == calls[last].path for ci in model.owner if ci != last)
     if k == 0 or any(st.run is not None for st in stages) or calls[last].ends or shared:
         return model
-    earlier, kept = [], 0
-    for ci in dict.fromkeys(model.owner[:k]):
-        if chain[ci]:
-            earlier.append((calls[ci].path, Skipped()))
-            continue
-        least = min(model.profiles[ci].options, key=lambda o: o.saved_bytes)
-        earlier.append((calls[ci].path, least.option))
-        kept += least.saved_bytes * model.owner.count(ci)
-    none = _in_place(call, spec, tuple(earlier) + ((calls[last].path, NO_REMAT),), loss)
+    others, kept = [], 0
+    for i, ci in enumerate(model.owner):
+        if i < k and chain[ci]:
+            others.append((calls[ci].path, Skipped()))
+        elif i != k:  # a stem before, a head after: under its option of fewest kept bytes
+            least = min(model.profiles[ci].options, key=lambda o: o.saved_bytes)
+            others.append((calls[ci].path, least.option))
+            kept += least.saved_bytes if i < k else 0
+    none = _in_place(call, spec, tuple(others) + ((calls[last].path, NO_REMAT),), loss)
     st = stages[k]
     head = none - model.fixed_bytes - kept - st.saved[0]  # what follows the block, beside its kept bytes
     peak = tuple(max(p, s + head) for p, s in zip(st.peak, st.saved))

@@ -248,7 +248,7 @@ def make_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Pl
     progress = progress_log(type(module).__name__, t0)
     model = build_model(call, spec, module, config, progress)
     if config.calibrate:
-        model = in_place(model, call, spec, config.losses[0])
+        model = _with_head(model, call, spec, config.losses[0])
     stages, fixed = model.stages, model.fixed_bytes
     lowest = min_peak(stages)
     sol = solve(stages, config.budget_bytes - fixed)
@@ -273,6 +273,15 @@ def make_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Pl
         warnings.warn("smartremat: " + CPU_NOTE + ".", stacklevel=2)
     _log(type(module).__name__, plan)
     return plan
+
+
+def _with_head(model: MemoryModel, call: Callable, spec: CallSpec, loss: Any) -> MemoryModel:
+    """`_head.in_place`, or `model` as it is where that measure fails: it only refines the model."""
+    try:
+        return in_place(model, call, spec, loss)
+    except Exception as e:
+        logger.debug("smartremat: the head after the last block was not measured (%s: %s)", type(e).__name__, e)
+        return model
 
 
 def _log(name: str, plan: Plan) -> None:
