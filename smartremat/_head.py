@@ -26,13 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from ._apply import run
-from ._cache import KeyedCache, environment_key, profiling_options
+from ._cache import profiling_options
 from ._discover import call_module
 from ._options import NO_REMAT, Option
-from ._profile import compiled_temp, mesh_context
+from ._profile import mesh_context
 from ._spec import CallSpec, sharding_key
-from ._verify import _assignment_key, loss_step
+from ._verify import compiled_one
 
 if TYPE_CHECKING:
     from ._planner import MemoryModel
@@ -104,17 +103,7 @@ def in_place(model: MemoryModel, call: Callable, spec: CallSpec, loss: Any) -> M
     return dataclasses.replace(model, stages=stages[:k] + (dataclasses.replace(st, peak=peak),) + stages[k + 1:])
 
 
-_CACHE: KeyedCache[int] = KeyedCache()
-
-
 def _in_place(call: Callable, spec: CallSpec, assignment: tuple, loss: Any) -> int:
     """Compiled temp bytes of the module's call under `assignment` and `loss`, with the options
-    block profiles are compiled with (`_cache.profiling_options`): a measure, not a step that
-    runs. Cached by signature, call, assignment, loss, backend and XLA flags."""
-    key = (spec.key(), call, _assignment_key(assignment), loss, *environment_key())
-
-    def make() -> int:
-        f = spec.function(lambda m, *a, **k: run(m, call, assignment, a, k))
-        return compiled_temp(*loss_step(f, spec, loss), profiling_options())[0]
-
-    return _CACHE.get(key, make)
+    block profiles are compiled with (`_cache.profiling_options`): a measure, not a step that runs."""
+    return compiled_one(call, spec, assignment, loss, profiling_options())[0]

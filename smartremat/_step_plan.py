@@ -13,7 +13,6 @@ from typing import Any
 import jax
 
 from . import _disk, _planner
-from ._memory import peak_of
 from ._plan import MB, Plan
 from ._solve import min_peak, solve
 from ._spec import shardings_hidden
@@ -137,8 +136,8 @@ def _plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], call
     if options.auto:
         budget = auto_budget(sig, base, name)
         config = dataclasses.replace(config, budget_bytes=budget, budget_mb=budget / MB)
-    # the rest of the step (loss, update, optimizer state) calibrates the model at no remat
-    model = dataclasses.replace(model, fixed_bytes=max(base.temp - peak_of(stages, none), 0))
+    model = with_tail(model, base.temp)
+    stages = model.stages
     lowest = min_peak(stages)
     sol = solve(stages, config.budget_bytes - model.fixed_bytes) or lowest
     sol, outcome = _planner.verified(model, config, measure, lambda floor: _too_low(fun, config, floor, name, options.auto),
@@ -148,6 +147,21 @@ def _plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], call
     if any(shardings_hidden(c.spec) for c in calls) and any(_sharded(a) for a in sig.avals):
         plan = dataclasses.replace(plan, notes=plan.notes + (HIDDEN_NOTE,))
     return Entry(plan, split_assignment(model, sol.choice, labels), classes, sig)
+
+
+def with_tail(model: _planner.MemoryModel, temp: int) -> _planner.MemoryModel:
+    """`model` calibrated on the compiled step without remat (`temp` bytes): the rest of the step
+    (what follows the last block, the loss, the update) is a tail whose backward runs first,
+    while every block's kept bytes are alive, not a constant beside every block (docs/facts.md,
+    fact 16). The tail is what the step takes beyond the glue's residuals and every block's kept
+    bytes without remat; under each option, the last stage's own peak is raised to at least its
+    kept bytes plus the tail, so the step without remat is predicted at its compiled bytes (or
+    above, where a block's own peak is higher)."""
+    stages = model.stages
+    tail = temp - model.fixed_bytes - sum(st.saved[0] for st in stages)
+    last = stages[-1]
+    peak = tuple(max(p, s + tail) for p, s in zip(last.peak, last.saved))
+    return dataclasses.replace(model, stages=stages[:-1] + (dataclasses.replace(last, peak=peak),))
 
 
 HIDDEN_NOTE = (

@@ -133,19 +133,25 @@ def compiled_step(call: Callable, spec: CallSpec, assignment: Assignment,
     """`(temp_size_in_bytes, flops)` of the training step under `assignment`: the largest temp
     bytes over `losses`, and the FLOPs of the first. Cached by signature, assignment, losses,
     backend and XLA flags."""
-    figures = [_compiled_one(call, spec, assignment, loss) for loss in losses]
+    figures = [compiled_one(call, spec, assignment, loss) for loss in losses]
     return max(t for t, _ in figures), figures[0][1]
 
 
-def _compiled_one(call: Callable, spec: CallSpec, assignment: Assignment,
-                  loss: SquaredError | CrossEntropy) -> tuple[int, float]:
-    key = (spec.key(), call, _assignment_key(assignment), loss, *environment_key())
+def compiled_one(call: Callable, spec: CallSpec, assignment: Assignment, loss: Any,
+                 options: dict | None = None) -> tuple[int, float]:
+    """`(temp bytes, flops)` of the training step under `assignment` and one loss, compiled with
+    XLA `options` (`_cache.measuring_options()` by default: the figures of the step that runs)."""
+    key = (spec.key(), call, _assignment_key(assignment), loss, _options_key(options), *environment_key())
 
     def make() -> tuple[int, float]:
         f = spec.function(lambda m, *a, **k: run(m, call, assignment, a, k))
-        return compiled_temp(*loss_step(f, spec, loss))
+        return compiled_temp(*loss_step(f, spec, loss), options)
 
     return _CACHE.get(key, make)
+
+
+def _options_key(options: dict | None) -> tuple | None:
+    return None if options is None else tuple(sorted(options.items()))
 
 
 def _assignment_key(assignment: Assignment) -> tuple:
