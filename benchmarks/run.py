@@ -160,8 +160,9 @@ def measure_smart(case: Case, budgets: list[float], ref: list, progress: Progres
     return rows, timers
 
 
-def headlines(fixed: dict, smart: list, half_mb: float) -> dict:
-    """The five headline figures of one model."""
+def headlines(fixed: dict, smart: list, half_mb: float, none_again_s: float) -> dict:
+    """The headline figures of one model; `none_again_s` is the no-remat step's median time from a
+    second compile of the same program, timed in the same rounds: the noise."""
     speed = []
     for r in smart:
         fitting = [f["step_s"] for f in fixed.values() if f["temp_mb"] <= r["budget_mb"]]
@@ -173,6 +174,7 @@ def headlines(fixed: dict, smart: list, half_mb: float) -> dict:
         "fit_share": sum(r["fits"] for r in smart) / len(smart),
         "speed_vs_best_fitting_fixed": speed,
         "speed_worst": max((s for s in speed if s is not None), default=None),
+        "noise": abs(none_again_s - t_none) / t_none,
         "overhead_recovered_at_half": recovered,
         "half_budget_mb": half["budget_mb"],
         "tightness": [r["temp_mb"] / r["budget_mb"] for r in smart],
@@ -194,7 +196,8 @@ def show(case: Case, fixed: dict, smart: list, head: dict) -> str:
     rec = head["overhead_recovered_at_half"]
     lines += [
         f"fit: {head['fit_share']:.0%} of budgets; speed vs fastest fitting fixed: worst "
-        f"{head['speed_worst'] if head['speed_worst'] is None else round(head['speed_worst'], 3)}; "
+        f"{head['speed_worst'] if head['speed_worst'] is None else round(head['speed_worst'], 3)} "
+        f"(noise: the same no-remat program compiled and timed twice differs by {head['noise']:.3f}); "
         f"overhead recovered at {head['half_budget_mb']:.2f} MB: {'-' if rec is None else f'{rec:.2f}'}",
         f"tightness (compiled/budget): {min(head['tightness']):.3f}..{max(head['tightness']):.3f}; "
         f"model error |pred-compiled|/compiled: median {statistics.median(head['model_error']):.3f}, "
@@ -268,19 +271,20 @@ def run_model(case: Case, names: list[str], n_budgets: int, repeat: int, out: pa
         names = [n for n in names if n not in ("alternate", "sqrt")]
     progress = Progress(len(names) + n_budgets + 2)
     fixed, fixed_timers = measure_fixed(case, names if "full" in names else names + ["full"], progress)
+    again = Timer(case.model, case.x)  # the no-remat step compiled again: the noise between identical programs
     lo, hi = sorted((fixed["full"]["temp_mb"], fixed["none"]["temp_mb"]))
     half = (lo + hi) / 2
     budgets = sorted(set(np.linspace(hi, lo, n_budgets).tolist()) | {half}, reverse=True)
     progress.total = len(fixed) + len(budgets) + 1
     smart, smart_timers = measure_smart(case, [b * MB for b in budgets], fixed_timers["none"].grads, progress)
-    time_all(list(fixed_timers.values()) + list(smart_timers.values()), repeat)
+    time_all(list(fixed_timers.values()) + [again] + list(smart_timers.values()), repeat)
     progress.step(f"{case.name}: timed {len(fixed_timers) + len(smart_timers)} steps x {repeat} rounds")
     progress.close()
     for name, f in fixed.items():
         f["step_s"] = fixed_timers[name].median
     for r in smart:
         r["step_s"] = smart_timers[r.pop("_key")].median
-    head = headlines(fixed, smart, half)
+    head = headlines(fixed, smart, half, again.median)
     result = {"model": case.name, "label": case.label, "fixed": fixed, "smartremat": smart, "headlines": head,
               "env": environment()}
     (out / f"{case.name}.json").write_text(json.dumps(result, indent=1))
@@ -300,12 +304,13 @@ def markdown(results: list[dict], tutorial: str | None) -> str:
              f"XLA_FLAGS=`{env['xla_flags']}`\n"]
     if tutorial:
         lines += ["## Tutorial block\n", "```", tutorial, "```\n"]
-    lines += ["## Headlines\n", "| model | fit | worst speed vs fastest fitting fixed | overhead recovered at half | "
-              "tightness | median model error |", "|---|---|---|---|---|---|"]
+    lines += ["## Headlines\n", "| model | fit | worst speed vs fastest fitting fixed | noise (same program twice) | "
+              "overhead recovered at half | tightness | median model error |", "|---|---|---|---|---|---|---|"]
     for r in results:
         h = r["headlines"]
         rec = h["overhead_recovered_at_half"]
-        lines.append(f"| {r['model']} | {h['fit_share']:.0%} | {h['speed_worst'] if h['speed_worst'] is None else round(h['speed_worst'], 3)} | "
+        noise = "-" if h.get("noise") is None else f"{h['noise']:.3f}"
+        lines.append(f"| {r['model']} | {h['fit_share']:.0%} | {h['speed_worst'] if h['speed_worst'] is None else round(h['speed_worst'], 3)} | {noise} | "
                      f"{'-' if rec is None else round(rec, 2)} | {min(h['tightness']):.2f}..{max(h['tightness']):.2f} | "
                      f"{statistics.median(h['model_error']):.3f} |")
     for r in results:

@@ -34,7 +34,8 @@ def test_json_fields_and_fit(results):
     head = data["headlines"]
     assert head["fit_share"] == 1.0
     assert len(head["tightness"]) == len(rows) and all(t <= 1 + 1e-9 for t in head["tightness"])
-    assert {"speed_vs_best_fitting_fixed", "overhead_recovered_at_half", "model_error", "env"} - set(head) == {"env"}
+    assert {"speed_vs_best_fitting_fixed", "overhead_recovered_at_half", "model_error", "noise", "env"} - set(head) == {"env"}
+    assert head["noise"] >= 0
     assert data["env"]["jax"]
 
 
