@@ -175,6 +175,7 @@ def headlines(fixed: dict, smart: list, half_mb: float, none_again_s: float) -> 
         "speed_vs_best_fitting_fixed": speed,
         "speed_worst": max((s for s in speed if s is not None), default=None),
         "noise": abs(none_again_s - t_none) / t_none,
+        "none_again_step_s": none_again_s,
         "overhead_recovered_at_half": recovered,
         "half_budget_mb": half["budget_mb"],
         "tightness": [r["temp_mb"] / r["budget_mb"] for r in smart],
@@ -278,7 +279,7 @@ def run_model(case: Case, names: list[str], n_budgets: int, repeat: int, out: pa
     progress.total = len(fixed) + len(budgets) + 1
     smart, smart_timers = measure_smart(case, [b * MB for b in budgets], fixed_timers["none"].grads, progress)
     time_all(list(fixed_timers.values()) + [again] + list(smart_timers.values()), repeat)
-    progress.step(f"{case.name}: timed {len(fixed_timers) + len(smart_timers)} steps x {repeat} rounds")
+    progress.step(f"{case.name}: timed {len(fixed_timers) + 1 + len(smart_timers)} steps x {repeat} rounds")
     progress.close()
     for name, f in fixed.items():
         f["step_s"] = fixed_timers[name].median

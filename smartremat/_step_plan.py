@@ -156,8 +156,10 @@ def with_tail(model: _planner.MemoryModel, temp: int) -> _planner.MemoryModel:
     fact 16). The tail is what the step takes beyond the glue's residuals and every block's kept
     bytes without remat; under each option, the last stage's own peak is raised to at least its
     kept bytes plus the tail, so the step without remat is predicted at its compiled bytes (or
-    above, where a block's own peak is higher)."""
+    above, where the blocks' own peaks are higher: the glue's residuals are then on top)."""
     stages = model.stages
+    if not stages:  # every call a scan of length 0: the whole step is the rest
+        return dataclasses.replace(model, fixed_bytes=max(temp, 0))
     tail = temp - model.fixed_bytes - sum(st.saved[0] for st in stages)
     last = stages[-1]
     peak = tuple(max(p, s + tail) for p, s in zip(last.peak, last.saved))

@@ -106,7 +106,6 @@ def test_whole_step_fits_is_monotone_and_equals_the_plain_step(case, fit_log):
         assert temps[-1] < temps[0], "the lowest budget should need remat"
 
 
-
 @pytest.fixture(scope="module")
 def big_head():
     """A GPT whose head (unembedding to 2048 and the loss) outweighs a block's kept bytes, its
