@@ -20,6 +20,7 @@ os.environ.setdefault("SMARTREMAT_DISK_CACHE", "0")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -114,14 +115,29 @@ def grad_step(model: Any, x: Any):
     return step, params, target_of(model, x)
 
 
-def compile_step(model: Any, x: Any):
-    """`(step(params, x), params, temp bytes, FLOPs)` of the training step, compiled once."""
+def compile_step(model: Any, x: Any, program: bool = False):
+    """`(step(params, x), params, temp bytes, FLOPs)` of the training step, compiled once; with
+    `program`, also its `program_text`."""
     step, params, target = grad_step(model, x)
     c = step.lower(params, x, target).compile()
     cost = c.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     run = lambda p, a: c(p, a, target)  # noqa: E731  (the targets are part of the step)
-    return run, params, c.memory_analysis().temp_size_in_bytes, float(cost["flops"])
+    out = (run, params, c.memory_analysis().temp_size_in_bytes, float(cost["flops"]))
+    return out + (program_text(c.as_text()),) if program else out
+
+
+def program_text(hlo: str) -> str:
+    """The optimised HLO of a compiled step with what does not change the program left out: the
+    source locations (file and function names, line numbers), instruction and parameter names
+    (renumbered in order of appearance) and the module's name. Two steps of equal text run the
+    same instructions on buffers laid out alike: one program, compiled twice."""
+    lines = hlo.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(("%", "ENTRY"))), 0)
+    text = re.sub(r",? ?metadata=\{[^}]*\}", "", "\n".join(lines[start:]))
+    text = re.sub(r"\b[\w.\-]+: ", "", text)  # parameter names in computation signatures
+    names: dict[str, str] = {}
+    return re.sub(r"%[\w.\-]+", lambda m: names.setdefault(m.group(0), f"%v{len(names)}"), text)
 
 
 def figures(model: Any, x: Any) -> tuple[int, float]:

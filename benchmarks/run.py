@@ -95,7 +95,7 @@ class Timer:
     """A compiled gradient step, warmed up (its gradients kept for the correctness check)."""
 
     def __init__(self, model: Any, x: Any):
-        self.step, self.params, self.temp, self.flops = compile_step(model, x)
+        self.step, self.params, self.temp, self.flops, self.program = compile_step(model, x, program=True)
         self.x = x
         self.grads = jax.tree.leaves(jax.block_until_ready(self.step(self.params, x)))
         jax.block_until_ready(self.step(self.params, x))
@@ -113,10 +113,11 @@ class Timer:
 
 def time_all(timers: list[Timer], repeat: int) -> None:
     """`repeat` rounds, each running every step once: drift (allocator state, heat, other
-    load) then falls on every strategy alike instead of on whichever ran last."""
-    for _ in range(repeat):
-        for t in timers:
-            t.once()
+    load) then falls on every strategy alike instead of on whichever ran last. Each round starts
+    one step later, so that no step always runs right after the same one."""
+    for k in range(repeat):
+        for i in range(len(timers)):
+            timers[(i + k) % len(timers)].once()
 
 
 def rel_diff(got: list, want: list) -> float:
@@ -128,7 +129,7 @@ def rel_diff(got: list, want: list) -> float:
     return out
 
 
-def measure_fixed(case: Case, names: list[str], progress: Progress) -> tuple[dict, dict]:
+def measure_fixed(case: Case, names: list[str], progress: Progress) -> tuple[dict, dict[str, Timer]]:
     out, timers, ref = {}, {}, None
     for name in ["none"] + [n for n in names if n != "none"]:
         timers[name] = Timer(strategy(case.model, name, case.where), case.x)
@@ -140,24 +141,32 @@ def measure_fixed(case: Case, names: list[str], progress: Progress) -> tuple[dic
     return out, timers
 
 
-def measure_smart(case: Case, budgets: list[float], ref: list, progress: Progress) -> tuple[list, dict]:
-    rows, timers = [], {}
+def measure_smart(case: Case, budgets: list[float], ref: list, progress: Progress, tune: bool,
+                  programs: dict[str, Timer], names: dict[str, str]) -> list[dict]:
+    """smartremat planned (with `tune`) and compiled at each budget. A plan whose compiled program
+    is one already compiled (a fixed strategy's, or an earlier budget's) is that program: it
+    shares its `Timer` (`programs`, keyed by `common.program_text`) and is timed once, so that a
+    ratio of 1 means the same program, not two draws of the noise. `names` maps a fixed
+    strategy's program to its name."""
+    rows, by_policies = [], {}
     for budget in budgets:
         # the benchmark's loss is known exactly, so plans are verified on it (the step timed below)
-        wrapped = smartremat.smartremat(budget_mb=budget / MB, **exact(case.model, case.x))(case.model)
+        wrapped = smartremat.smartremat(budget_mb=budget / MB, tune=tune, **exact(case.model, case.x))(case.model)
         t0 = time.perf_counter()
         plan = smartremat.explain(wrapped, case.x)
         planning = time.perf_counter() - t0
         key = tuple(plan.policies.items())
-        if key not in timers:  # the same policies compile to the same program at any budget
-            timers[key] = Timer(wrapped, case.x)
-        temp, flops = timers[key].temp, timers[key].flops
+        if key not in by_policies:  # the same policies compile to the same program at any budget
+            timer = Timer(wrapped, case.x)
+            by_policies[key] = programs.setdefault(timer.program, timer)
+        timer = by_policies[key]
         rows.append({"budget_mb": budget / MB, "predicted_mb": plan.predicted_peak_bytes / MB,
-                     "temp_mb": temp / MB, "fits": temp <= plan.budget_bytes, "gflops": flops / 1e9,
-                     "grad_rel_diff": rel_diff(timers[key].grads, ref), "planning_s": planning,
-                     "policies": plan.policies, "_key": key})
-        progress.step(f"{case.name}: smartremat @ {budget / MB:9.2f} MB -> {temp / MB:9.2f} MB")
-    return rows, timers
+                     "temp_mb": timer.temp / MB, "fits": timer.temp <= plan.budget_bytes, "gflops": timer.flops / 1e9,
+                     "grad_rel_diff": rel_diff(timer.grads, ref), "planning_s": planning,
+                     "policies": plan.policies, "same_as": names.get(timer.program), "_program": timer.program})
+        progress.step(f"{case.name}: smartremat{' tune=True' if tune else ''} @ {budget / MB:9.2f} MB -> "
+                      f"{timer.temp / MB:9.2f} MB")
+    return rows
 
 
 def headlines(fixed: dict, smart: list, half_mb: float, none_again_s: float) -> dict:
@@ -170,10 +179,16 @@ def headlines(fixed: dict, smart: list, half_mb: float, none_again_s: float) -> 
     half = min(smart, key=lambda r: abs(r["budget_mb"] - half_mb))
     t_full, t_none = fixed["full"]["step_s"], fixed["none"]["step_s"]
     recovered = (t_full - half["step_s"]) / (t_full - t_none) if t_full != t_none else None
+    fitting = [f["step_s"] for f in fixed.values() if f["temp_mb"] <= half["budget_mb"]]
+    gap = max(fitting) - min(fitting) if fitting else 0.0
+    known = [s for s in speed if s is not None]
     return {
         "fit_share": sum(r["fits"] for r in smart) / len(smart),
         "speed_vs_best_fitting_fixed": speed,
-        "speed_worst": max((s for s in speed if s is not None), default=None),
+        "speed_worst": max(known, default=None),
+        "speed_median": statistics.median(known) if known else None,
+        # the issue's measure: how much of the slowest-to-fastest fitting fixed gap the plan closes
+        "gap_recovered_at_half": (max(fitting) - half["step_s"]) / gap if gap else None,
         "noise": abs(none_again_s - t_none) / t_none,
         "none_again_step_s": none_again_s,
         "overhead_recovered_at_half": recovered,
@@ -183,31 +198,45 @@ def headlines(fixed: dict, smart: list, half_mb: float, none_again_s: float) -> 
     }
 
 
-def show(case: Case, fixed: dict, smart: list, head: dict) -> str:
+def show(case: Case, result: dict) -> str:
+    fixed = result["fixed"]
     lines = [f"\n== {case.name}: {case.label} ==",
              f"{'strategy':>10} {'temp MB':>10} {'GFLOP':>9} {'step ms':>9} {'grad rel diff':>14}"]
     for name, f in fixed.items():
         lines.append(f"{name:>10} {f['temp_mb']:10.2f} {f['gflops']:9.3f} {f['step_s'] * 1e3:9.1f} {f['grad_rel_diff']:14.2e}")
-    lines.append(f"{'budget MB':>10} {'predicted':>10} {'compiled':>9} {'fits':>5} {'GFLOP':>9} {'step ms':>9} "
-                 f"{'/best fixed':>11} {'grad diff':>10} {'plan s':>7}")
+    for tune, (rows_key, head_key) in KEYS.items():
+        if rows_key in result:
+            lines += _show_rows(result[rows_key], result[head_key], tune)
+    return "\n".join(lines)
+
+
+def _show_rows(smart: list, head: dict, tune: bool) -> list[str]:
+    lines = [f"smartremat{' tune=True' if tune else ' (default: fewest compiled FLOPs)'}:",
+             f"{'budget MB':>10} {'predicted':>10} {'compiled':>9} {'fits':>5} {'GFLOP':>9} {'step ms':>9} "
+             f"{'/best fixed':>11} {'grad diff':>10} {'plan s':>7}  same program as"]
     for r, s in zip(smart, head["speed_vs_best_fitting_fixed"]):
         lines.append(f"{r['budget_mb']:10.2f} {r['predicted_mb']:10.2f} {r['temp_mb']:9.2f} {str(r['fits']):>5} "
                      f"{r['gflops']:9.3f} {r['step_s'] * 1e3:9.1f} {'-' if s is None else f'{s:.3f}':>11} "
-                     f"{r['grad_rel_diff']:10.1e} {r['planning_s']:7.2f}")
-    rec = head["overhead_recovered_at_half"]
+                     f"{r['grad_rel_diff']:10.1e} {r['planning_s']:7.2f}  {r.get('same_as') or '-'}")
+    rec, gap = head["overhead_recovered_at_half"], head.get("gap_recovered_at_half")
     lines += [
-        f"fit: {head['fit_share']:.0%} of budgets; speed vs fastest fitting fixed: worst "
-        f"{head['speed_worst'] if head['speed_worst'] is None else round(head['speed_worst'], 3)} "
-        f"(noise: the same no-remat program compiled and timed twice differs by {head['noise']:.3f}); "
-        f"overhead recovered at {head['half_budget_mb']:.2f} MB: {'-' if rec is None else f'{rec:.2f}'}",
+        f"fit: {head['fit_share']:.0%} of budgets; speed vs fastest fitting fixed: median "
+        f"{_num(head.get('speed_median'))}, worst {_num(head['speed_worst'])} (noise: the same no-remat "
+        f"program compiled and timed twice differs by {head['noise']:.3f}); at {head['half_budget_mb']:.2f} MB "
+        f"gap recovered (slowest to fastest fitting fixed): {_num(gap, 2)}, overhead recovered (full to none): "
+        f"{_num(rec, 2)}",
         f"tightness (compiled/budget): {min(head['tightness']):.3f}..{max(head['tightness']):.3f}; "
         f"model error |pred-compiled|/compiled: median {statistics.median(head['model_error']):.3f}, "
         f"max {max(head['model_error']):.3f}",
     ]
-    return "\n".join(lines)
+    return lines
 
 
-def plot(case: Case, fixed: dict, smart: list, path: pathlib.Path) -> bool:
+def _num(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def plot(case: Case, fixed: dict, smart: dict, path: pathlib.Path) -> bool:
     try:
         import matplotlib
 
@@ -220,8 +249,10 @@ def plot(case: Case, fixed: dict, smart: list, path: pathlib.Path) -> bool:
     for name, f in fixed.items():
         ax.scatter(f["temp_mb"], f["step_s"] * 1e3, zorder=3)
         ax.annotate(name, (f["temp_mb"], f["step_s"] * 1e3), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    pts = sorted((r["temp_mb"], r["step_s"] * 1e3) for r in smart)
-    ax.plot(*zip(*pts), "k.-", label="smartremat (budget sweep)", zorder=2)
+    for tune, rows in smart.items():
+        pts = sorted((r["temp_mb"], r["step_s"] * 1e3) for r in rows)
+        ax.plot(*zip(*pts), "r.-" if tune else "k.-", zorder=2,
+                label=f"smartremat{' tune=True' if tune else ''} (budget sweep)")
     ax.set_xlabel("compiled peak activation memory (temp MB)")
     ax.set_ylabel("step time (ms, median)")
     ax.set_title(case.label, fontsize=9)
@@ -267,30 +298,42 @@ def tutorial_printout(repeat: int) -> str:
     return "\n".join(lines)
 
 
-def run_model(case: Case, names: list[str], n_budgets: int, repeat: int, out: pathlib.Path) -> dict:
+#: `--tune`: which smartremat plans each budget gets: the default (fewest compiled FLOPs), `tune=True`, or both.
+TUNES = {"off": (False,), "on": (True,), "both": (False, True)}
+#: The result's keys for the rows and headlines of each.
+KEYS = {False: ("smartremat", "headlines"), True: ("tuned", "headlines_tuned")}
+
+
+def run_model(case: Case, names: list[str], n_budgets: int, repeat: int, out: pathlib.Path,
+              tunes: tuple[bool, ...] = (False, True)) -> dict:
     if case.where is None:  # one block: alternate and sqrt segments are no remat and full remat again
         names = [n for n in names if n not in ("alternate", "sqrt")]
-    progress = Progress(len(names) + n_budgets + 2)
+    progress = Progress(len(names) + len(tunes) * n_budgets + 2)
     fixed, fixed_timers = measure_fixed(case, names if "full" in names else names + ["full"], progress)
+    programs: dict[str, Timer] = {}  # one timer per distinct program (two strategies may compile to one)
+    fixed_timers = {n: programs.setdefault(t.program, t) for n, t in fixed_timers.items()}
+    names_of = {t.program: n for n, t in reversed(list(fixed_timers.items()))}
     again = Timer(case.model, case.x)  # the no-remat step compiled again: the noise between identical programs
     lo, hi = sorted((fixed["full"]["temp_mb"], fixed["none"]["temp_mb"]))
     half = (lo + hi) / 2
     budgets = sorted(set(np.linspace(hi, lo, n_budgets).tolist()) | {half}, reverse=True)
-    progress.total = len(fixed) + len(budgets) + 1
-    smart, smart_timers = measure_smart(case, [b * MB for b in budgets], fixed_timers["none"].grads, progress)
-    time_all(list(fixed_timers.values()) + [again] + list(smart_timers.values()), repeat)
-    progress.step(f"{case.name}: timed {len(fixed_timers) + 1 + len(smart_timers)} steps x {repeat} rounds")
+    progress.total = len(fixed) + len(tunes) * len(budgets) + 1
+    smart = {tune: measure_smart(case, [b * MB for b in budgets], fixed_timers["none"].grads, progress, tune,
+                                 programs, names_of) for tune in tunes}
+    time_all(list(programs.values()) + [again], repeat)
+    progress.step(f"{case.name}: timed {len(programs) + 1} distinct programs x {repeat} rounds")
     progress.close()
     for name, f in fixed.items():
         f["step_s"] = fixed_timers[name].median
-    for r in smart:
-        r["step_s"] = smart_timers[r.pop("_key")].median
-    head = headlines(fixed, smart, half, again.median)
-    result = {"model": case.name, "label": case.label, "fixed": fixed, "smartremat": smart, "headlines": head,
-              "env": environment()}
+    result = {"model": case.name, "label": case.label, "fixed": fixed, "env": environment()}
+    for tune, rows in smart.items():
+        for r in rows:
+            r["step_s"] = programs[r.pop("_program")].median
+        rows_key, head_key = KEYS[tune]
+        result[rows_key], result[head_key] = rows, headlines(fixed, rows, half, again.median)
     (out / f"{case.name}.json").write_text(json.dumps(result, indent=1))
     plot(case, fixed, smart, out / f"{case.name}.png")
-    print(show(case, fixed, smart, head), flush=True)
+    print(show(case, result), flush=True)
     return result
 
 
@@ -305,19 +348,22 @@ def markdown(results: list[dict], tutorial: str | None) -> str:
              f"XLA_FLAGS=`{env['xla_flags']}`\n"]
     if tutorial:
         lines += ["## Tutorial block\n", "```", tutorial, "```\n"]
-    lines += ["## Headlines\n", "| model | fit | worst speed vs fastest fitting fixed | noise (same program twice) | "
-              "overhead recovered at half | tightness | median model error |", "|---|---|---|---|---|---|---|"]
+    lines += ["## Headlines\n", "| model | plans | fit | speed vs fastest fitting fixed: median | worst | "
+              "noise (same program twice) | gap recovered at half | tightness | median model error |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        h = r["headlines"]
-        rec = h["overhead_recovered_at_half"]
-        noise = "-" if h.get("noise") is None else f"{h['noise']:.3f}"
-        lines.append(f"| {r['model']} | {h['fit_share']:.0%} | {h['speed_worst'] if h['speed_worst'] is None else round(h['speed_worst'], 3)} | {noise} | "
-                     f"{'-' if rec is None else round(rec, 2)} | {min(h['tightness']):.2f}..{max(h['tightness']):.2f} | "
-                     f"{statistics.median(h['model_error']):.3f} |")
+        for tune, (rows_key, head_key) in KEYS.items():
+            if head_key not in r:
+                continue
+            h = r[head_key]
+            noise = "-" if h.get("noise") is None else f"{h['noise']:.3f}"
+            lines.append(f"| {r['model']} | {'tune=True' if tune else 'default'} | {h['fit_share']:.0%} | "
+                         f"{_num(h.get('speed_median'))} | {_num(h['speed_worst'])} | {noise} | "
+                         f"{_num(h.get('gap_recovered_at_half'), 2)} | {min(h['tightness']):.2f}..{max(h['tightness']):.2f} | "
+                         f"{statistics.median(h['model_error']):.3f} |")
     for r in results:
         lines += [f"\n## {r['model']}: {r['label']}\n", f"![{r['model']}]({r['model']}.png)\n", "```",
-                  show(Case(r["model"], r["label"], None, None, None), r["fixed"], r["smartremat"], r["headlines"]).strip(),
-                  "```"]
+                  show(Case(r["model"], r["label"], None, None, None), r).strip(), "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -328,8 +374,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--models", nargs="+", default=["tutorial_block", "tutorial", "gpt", "resnet"])
     ap.add_argument("--strategies", nargs="+", default=FIXED, choices=FIXED)
     ap.add_argument("--budgets", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--out", default="results")
+    ap.add_argument("--tune", choices=sorted(TUNES), default="both",
+                    help="smartremat's plans per budget: the default, tune=True, or both (timed in the same rounds)")
     args = ap.parse_args(argv)
     size = args.size or ("quick" if args.quick else "gpt2-small")
     out = pathlib.Path(args.out)
@@ -342,7 +390,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         tutorial = tutorial_printout(args.repeat)
         print("\n" + tutorial, flush=True)
     results = [run_model(build(m, "gpt2-small" if (m == "gpt" and size == "full") else size), args.strategies,
-                         args.budgets, args.repeat, out) for m in args.models]
+                         args.budgets, args.repeat, out, TUNES[args.tune]) for m in args.models]
     (out / "summary.md").write_text(markdown(results, tutorial))
     print(f"\nwrote {out}/summary.md and {', '.join(m + '.json' for m in args.models)}")
     return results

@@ -54,7 +54,7 @@ def _budget_mb(budget_mb: Any, name: str = "smartremat(budget_mb=...)") -> float
 def make_config(budget_mb: Any, *, policies: Sequence[Any] | None = None, blocks: Callable | None = None,
                 calibrate: bool = True, verify: bool = True, plan: Plan | None = None,
                 scan_segments: int = 2, nested: bool = True, loss: Callable | None = None,
-                loss_args: Any = (), name: str = "smartremat") -> _planner.Config:
+                loss_args: Any = (), tune: bool = False, name: str = "smartremat") -> _planner.Config:
     """Check every option (errors name the argument) and return the hashable `Config`."""
     if blocks is not None and not callable(blocks):
         raise TypeError(
@@ -73,13 +73,17 @@ def make_config(budget_mb: Any, *, policies: Sequence[Any] | None = None, blocks
             f"its own policy, a scanned block's scan may be split into), not {scan_segments!r}; "
             "e.g. `scan_segments=1` keeps every scan whole."
         )
+    if tune and not verify:
+        raise ValueError(
+            f"`{name}(tune=True, verify=False)`: tuning times the candidate plans that the compiler "
+            "verified to fit, so it needs `verify=True`. Drop `tune=True`, or leave `verify` on.")
     mb = _budget_mb(budget_mb, f"{name}(budget_mb=...)")
     if plan is not None:
         _check_plan_budget(plan, mb, name)
     return _planner.Config(budget_bytes=int(mb * MB), policies=normalise_policies(policies, name), budget_mb=mb,
                            blocks=blocks, calibrate=bool(calibrate), verify=bool(verify), plan=plan,
                            scan_segments=int(scan_segments), nested=bool(nested),
-                           losses=_losses(loss, loss_args, name))
+                           losses=_losses(loss, loss_args, name), tune=bool(tune))
 
 
 def _check_plan_budget(plan: Plan, budget_mb: float, name: str) -> None:
@@ -199,6 +203,7 @@ def smartremat(
     nested: bool = True,
     loss: Callable[..., Any] | None = None,
     loss_args: Any = (),
+    tune: bool = False,
 ) -> Callable[[Any], Any]:
     """Choose and apply gradient checkpointing so one forward+backward fits `budget_mb`.
 
@@ -239,6 +244,15 @@ def smartremat(
     - `loss_args`: the extra arguments of `loss` (e.g. targets), as arrays or
       `jax.ShapeDtypeStruct`s, or a function from the output's `ShapeDtypeStruct`s to them when
       their shapes follow the batch (e.g. `lambda out: jax.ShapeDtypeStruct(out.shape[:-1], jnp.int32)`).
+    - `tune`: also time candidates and keep the fastest. The plan of the fewest compiled FLOPs
+      that fits, every uniform plan and up to three frontier plans of lower peak are compiled as
+      the verified step (under the first loss) runs; those that fit are run on synthetic inputs
+      of its shapes (11 interleaved rounds), and the one of the lowest median among those faster
+      than the fewest-FLOPs plan in at least 9 of the 11 paired rounds (a sign test: a switch on
+      timing noise would cost as much as it gains) is chosen. FLOPs do not order
+      step times (on a CPU, memory traffic can cost more than recompute), so this can be faster;
+      it costs a few seconds of compiling and running per plan, once per signature (plans are
+      cached on disk). `Plan.timed` and `smartremat.explain` show the times.
 
     **Returns:**
 
@@ -250,7 +264,8 @@ def smartremat(
     a `SmartRemat` wrapper, called like the module, holding the same arrays.
     """
     config = make_config(budget_mb, policies=policies, blocks=blocks, calibrate=calibrate, verify=verify,
-                         plan=plan, scan_segments=scan_segments, nested=nested, loss=loss, loss_args=loss_args)
+                         plan=plan, scan_segments=scan_segments, nested=nested, loss=loss, loss_args=loss_args,
+                         tune=tune)
 
     def decorate(target: Any) -> Any:
         if isinstance(target, type):

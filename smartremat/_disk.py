@@ -111,7 +111,7 @@ def _key_text(signature: Any, config: Any, extra: tuple = ()) -> str | None:
     return repr((FORMAT, __version__, _own_source(), jax.__version__, _jaxlib_version(), eqx.__version__,
                  os.environ.get("XLA_FLAGS", ""), devices, signature, config.budget_bytes,
                  [o.name for o in config.policies], blocks, config.calibrate, config.verify,
-                 config.scan_segments, config.nested, extra))
+                 config.scan_segments, config.nested, config.tune, extra))
 
 
 def plan_key(call: Callable, spec: Any, config: Any) -> str | None:

@@ -107,7 +107,7 @@ _DONATE = ("none", "all", "all-except-first")
 
 def filter_jit(fun: Callable | None = None, *, budget_mb: float | str, donate: str = "none",
                policies: Any = None, calibrate: bool = True, scan_segments: int = 2,
-               nested: bool = True) -> Any:
+               nested: bool = True, tune: bool = False) -> Any:
     """`eqx.filter_jit` for a whole training step, with remat planned so that it fits `budget_mb`.
 
     **Arguments:**
@@ -125,6 +125,8 @@ def filter_jit(fun: Callable | None = None, *, budget_mb: float | str, donate: s
       lay temporaries out in the (not yet written) output buffers, and the temp bytes understate
       what the step adds to memory.
     - `policies`, `calibrate`, `scan_segments`, `nested`: as for `smartremat.smartremat`.
+    - `tune`: as for `smartremat.smartremat`, timing the whole step (on synthetic arguments of
+      its shapes, dtypes and shardings; donated ones copied for each run) instead of a gradient.
 
     **Returns:**
 
@@ -135,7 +137,7 @@ def filter_jit(fun: Callable | None = None, *, budget_mb: float | str, donate: s
     auto = isinstance(budget_mb, str) and budget_mb == "auto"
     name = "smartremat.filter_jit"
     config = make_config(1.0 if auto else budget_mb, policies=policies, calibrate=calibrate,
-                         scan_segments=scan_segments, nested=nested, name=name)
+                         scan_segments=scan_segments, nested=nested, tune=tune, name=name)
     if donate not in _DONATE:
         raise ValueError(f"`{name}(donate=...)` should be one of {', '.join(map(repr, _DONATE))} (as for "
                          f"`eqx.filter_jit`), not {donate!r}.")

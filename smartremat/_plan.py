@@ -61,7 +61,9 @@ class Plan:
     `compiles` is how many whole-step compiles verification asked for (candidates times losses;
     those already cached in this process cost nothing); `checked` holds, per candidate plan it
     compiled, the model's predicted peak and the compiled temp bytes (the largest over the losses
-    where it was compiled under all of them).
+    where it was compiled under all of them); `timed` (with `tune=True`) holds, per fitting
+    candidate it ran, its compiled temp bytes, compiled FLOPs and median seconds per step, the
+    fewest-FLOPs candidate first.
     """
 
     budget_bytes: int
@@ -84,6 +86,7 @@ class Plan:
     menu: tuple[str, ...] = field(default=(), compare=False, repr=False)
     signature: str = ""
     checked: tuple[tuple[int, int], ...] = ()
+    timed: tuple[tuple[int, float, float], ...] = ()
 
     def to_dict(self) -> dict:
         """A JSON-serialisable dict (MB are 2**20 bytes)."""
@@ -101,6 +104,7 @@ class Plan:
             "planning_s": self.planning_seconds,
             "compiles": self.compiles,
             "checked_mb": [[p / MB, c / MB] for p, c in self.checked],
+            "timed": [[t / MB, f, s] for t, f, s in self.timed],
             "backend": self.backend,
             "notes": list(self.notes),
             "blocks": [b.to_dict() for b in self.blocks],

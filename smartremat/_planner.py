@@ -28,8 +28,9 @@ from ._solve import Solution, frontier, min_peak, solve
 from ._serialise import signature
 from ._spec import CallSpec, shardings_hidden
 from ._head import in_place
-from ._verify import DEFAULT_LOSSES, compiled_step
-from ._search import MAX_CANDIDATES, Estimates, Outcome, search, spread
+from ._verify import DEFAULT_LOSSES, compiled_step, timed_step
+from ._search import MAX_CANDIDATES, Estimates, Outcome, _Compiled, search, spread
+from ._tune import pool, timings, tuned
 
 logger = logging.getLogger("smartremat")
 
@@ -48,6 +49,7 @@ class Config:
     scan_segments: int = 2
     nested: bool = True
     losses: tuple = DEFAULT_LOSSES
+    tune: bool = False
 
 
 @dataclass(frozen=True)
@@ -265,8 +267,11 @@ def make_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Pl
         def error(floor: int) -> ValueError:
             return infeasible(config, spec, floor, "compiled temp bytes of the training step")
 
+        def time_of(choices: list) -> list[tuple[float, ...]]:
+            return timings([timed_step(call, spec, assignment_of(model, c), config.losses[0]) for c in choices])
+
         sol, outcome = verified(model, config, measure, error, sol or lowest, lowest, progress,
-                                confirm if len(config.losses) > 1 else None)
+                                confirm if len(config.losses) > 1 else None, time_of if config.tune else None)
     assert sol is not None  # unverified, an unsolvable budget raised above
     plan = assemble(model, config, sol, lowest, outcome, time.perf_counter() - t0, signature(call, spec))
     if cpu_barrier_missing():
@@ -301,7 +306,7 @@ _MAX_FRONTIER_STAGES = 64
 
 def verified(model: MemoryModel, config: Config, measure: Callable, error: Callable,
              sol: Solution, lowest: Solution, progress: Callable[[str], None] = logger.debug,
-             confirm: Callable | None = None) -> tuple[Solution, Outcome]:
+             confirm: Callable | None = None, time_of: Callable | None = None) -> tuple[Solution, Outcome]:
     """The cheapest candidate whose compiled temp bytes fit the budget (within `_search.TIE_MARGIN`,
     the one of fewest temp bytes), found by `_search.search`
     with few whole-step compiles.
@@ -326,9 +331,25 @@ def verified(model: MemoryModel, config: Config, measure: Callable, error: Calla
     def flops(choice: tuple[int, ...]) -> float:
         return cost_of(stages, choice)
 
-    out = search([p.choice for p in points], list(dict.fromkeys(uniform(model, p) for p in config.policies)),
-                 Estimates(peak, flops), config.budget_bytes, measure, rank, error, progress, confirm)
+    uniforms = list(dict.fromkeys(uniform(model, p) for p in config.policies))
+    out = search([p.choice for p in points], uniforms, Estimates(peak, flops), config.budget_bytes, measure, rank,
+                 error, progress, confirm)
+    if time_of is not None:
+        out = _fastest(out, [p.choice for p in points], uniforms, config, measure, confirm, time_of, peak, progress)
     return Solution(out.choice, peak_of(stages, out.choice), cost_of(stages, out.choice)), out
+
+
+def _fastest(out: Outcome, points: list, uniforms: list, config: Config, measure: Callable,
+             confirm: Callable | None, time_of: Callable, peak: Callable, progress: Callable[[str], None]) -> Outcome:
+    """`tune=True`: the search's outcome with its choice replaced by the fastest fitting candidate
+    (`_tune.tuned`), the candidates it compiled and timed added."""
+    compiled = _Compiled(measure, progress, confirm)
+    choice, timed = tuned(out, pool(points, uniforms, out.choice), config.budget_bytes, compiled, time_of, progress)
+    checked = dict(zip(out.measured, out.checked))
+    for c, (t, _) in compiled.figures.items():
+        checked.setdefault(c, (int(peak(c)), t))
+    return Outcome(choice, compiled.figures[choice], tuple(checked), out.confirmed + len(compiled.confirmed),
+                   tuple(checked.values()), timed)
 
 
 def infeasible(config: Config, spec: CallSpec, floor: int, kind: str) -> ValueError:
@@ -408,6 +429,7 @@ def assemble(model: MemoryModel, config: Config, sol: Solution, lowest: Solution
         planning_seconds=seconds,
         compiles=0 if outcome is None else len(outcome.measured) + outcome.confirmed * (len(config.losses) - 1),
         checked=() if outcome is None else outcome.checked,
+        timed=() if outcome is None else outcome.timed,
         backend=jax.default_backend(),
         notes=tuple(_notes(model, sol)),
         assignment=assignment_of(model, sol.choice),

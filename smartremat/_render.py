@@ -90,7 +90,19 @@ def _totals(plan: Plan) -> list[str]:
         f"planned in      {plan.planning_seconds:10.2f} s on {plan.backend}, {plan.compiles} whole-step compiles   "
         "(* = chosen; MB kept for the backward" + (_LENDS if _lends(plan) else "") + ")",
     ]
-    return lines + [f"note: {n}" for n in plan.notes]
+    return lines + _timed(plan) + [f"note: {n}" for n in plan.notes]
+
+
+def _timed(plan: Plan) -> list[str]:
+    """With `tune=True`: each fitting candidate timed, the fewest-FLOPs one first, the fastest marked."""
+    if not plan.timed:
+        return []
+    fastest = min(range(len(plan.timed)), key=lambda i: (plan.timed[i][2], i))
+    rows = [f"  {'fewest FLOPs' if i == 0 else 'candidate':12s} {t / MB:10.2f} MB {f / 1e9:10.3f} GFLOP "
+            f"{s * 1e3:10.2f} ms" + ("  <- chosen" if i == fastest else "")
+            for i, (t, f, s) in enumerate(plan.timed)]
+    return [f"tuned           {len(plan.timed)} fitting candidates timed (compiled temp, compiled FLOPs, median step):",
+            *rows]
 
 
 def plot(plan: Plan, path: str) -> None:

@@ -74,14 +74,16 @@ Choice = tuple[int, ...]
 @dataclass(frozen=True)
 class Outcome:
     """What the search found: the chosen candidate, its compiled `(temp, flops)`, the candidates
-    it compiled (under the first loss), how many of them it also compiled under every loss, and
-    each compiled candidate's predicted peak beside its compiled temp bytes."""
+    it compiled (under the first loss), how many of them it also compiled under every loss,
+    each compiled candidate's predicted peak beside its compiled temp bytes, and (with
+    `tune=True`, `_tune.tuned`) the candidates timed."""
 
     choice: Choice
     compiled: tuple[int, float]
     measured: tuple[Choice, ...]
     confirmed: int = 0
     checked: tuple[tuple[int, int], ...] = ()  # (predicted peak, compiled temp) per candidate compiled
+    timed: tuple[tuple[int, float, float], ...] = ()  # with tune=True: (temp, flops, seconds) per candidate timed
 
 
 def spread(front: Sequence, n: int) -> list:

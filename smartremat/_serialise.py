@@ -106,6 +106,7 @@ def _plan_of(data: dict) -> Plan:
         compiled_flops=data["compiled_flops"], fixed_bytes=round(data["fixed_mb"] * MB),
         planning_seconds=data["planning_s"], compiles=data.get("compiles", 0),
         checked=tuple((round(p * MB), round(c * MB)) for p, c in data.get("checked_mb", [])),
+        timed=tuple((round(t * MB), float(f), float(s)) for t, f, s in data.get("timed", [])),
         backend=data["backend"], notes=tuple(data["notes"]),
         assignment=assignment_from_json(data["assignment"]),
         signature=str(data["signature"]),

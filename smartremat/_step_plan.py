@@ -16,7 +16,9 @@ from . import _disk, _planner
 from ._plan import MB, Plan
 from ._solve import min_peak, solve
 from ._spec import shardings_hidden
-from ._step import Signature, StepFigures, record, step_figures
+from ._cache import environment_key
+from ._step import Signature, StepFigures, compile_quietly, lower_step, record, step_figures
+from ._tune import Timed, timings
 
 
 @dataclass(frozen=True)
@@ -140,13 +142,27 @@ def _plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], call
     stages = model.stages
     lowest = min_peak(stages)
     sol = solve(stages, config.budget_bytes - model.fixed_bytes) or lowest
+    def time_of(choices: list) -> list[tuple[float, ...]]:
+        return timings([_timed(fun, sig, (classes, split_assignment(model, c, labels)), options.donate)
+                        for c in choices])
+
     sol, outcome = _planner.verified(model, config, measure, lambda floor: _too_low(fun, config, floor, name, options.auto),
-                                     sol, lowest, progress)
+                                     sol, lowest, progress, time_of=time_of if config.tune else None)
     plan = _planner.assemble(model, config, sol, lowest, outcome, time.perf_counter() - t0,
                              _signature(fun, sig))
     if any(shardings_hidden(c.spec) for c in calls) and any(_sharded(a) for a in sig.avals):
         plan = dataclasses.replace(plan, notes=plan.notes + (HIDDEN_NOTE,))
     return Entry(plan, split_assignment(model, sol.choice, labels), classes, sig)
+
+
+def _timed(fun: Callable, sig: Signature, entry_of: tuple, donate: str) -> Timed:
+    """The whole step under `entry_of`, as `_tune.timings` times it: lowered and compiled as it
+    runs, its donated arguments consumed by each call."""
+    from ._verify import _assignment_key
+
+    key = (fun, sig.key(), tuple(_assignment_key(a) for a in entry_of[1]), donate, *environment_key())
+    return Timed(key, lambda: compile_quietly(lower_step(fun, sig, entry_of, donate)[0]), sig.avals,
+                 sig.donated(donate))
 
 
 def with_tail(model: _planner.MemoryModel, temp: int) -> _planner.MemoryModel:

@@ -23,6 +23,7 @@ from ._cost import floating_leaves
 from ._apply import Assignment, run
 from ._profile import compiled_temp, mesh_context, n_module_leaves, split_diff
 from ._spec import CallSpec, placed_sharding
+from ._tune import Timed
 
 _CACHE: KeyedCache[tuple[int, float]] = KeyedCache()
 
@@ -148,6 +149,19 @@ def compiled_one(call: Callable, spec: CallSpec, assignment: Assignment, loss: A
         return compiled_temp(*loss_step(f, spec, loss), options)
 
     return _CACHE.get(key, make)
+
+
+def timed_step(call: Callable, spec: CallSpec, assignment: Assignment, loss: Any) -> Timed:
+    """The training step under `assignment` and `loss`, as `_tune.timings` times it: compiled as
+    it runs (no measuring options)."""
+    f = spec.function(lambda m, *a, **k: run(m, call, assignment, a, k))
+    step, avals = loss_step(f, spec, loss)
+
+    def compile() -> Any:
+        with mesh_context(avals):
+            return jax.jit(step).lower(*avals).compile()
+
+    return Timed((spec.key(), call, _assignment_key(assignment), loss, *environment_key()), compile, avals)
 
 
 def _options_key(options: dict | None) -> tuple | None:

@@ -41,6 +41,23 @@ def test_json_fields_and_fit(results):
     assert data["env"]["jax"]
 
 
+def test_tuned_rows_and_shared_programs(results):
+    """Both plans per budget are reported; a plan that is a fixed strategy's program is timed as it."""
+    data = json.loads((results / "tutorial.json").read_text())
+    assert len(data["tuned"]) == len(data["smartremat"])
+    for r in data["tuned"]:
+        assert r["fits"] and r["grad_rel_diff"] < 1e-5
+    head = data["headlines_tuned"]
+    assert head["fit_share"] == 1.0 and head["speed_median"] <= head["speed_worst"]
+    rows = data["smartremat"] + data["tuned"]
+    shared = [r for r in rows if r["same_as"] is not None]
+    assert shared  # the tiny stack's plans include uniform ones
+    for r in shared:
+        assert r["step_s"] == data["fixed"][r["same_as"]]["step_s"]
+        assert r["temp_mb"] == data["fixed"][r["same_as"]]["temp_mb"]
+
+
 def test_summary_written(results):
     text = (results / "summary.md").read_text()
-    assert "| tutorial | 100% |" in text and "## tutorial" in text
+    assert "| tutorial | default | 100% |" in text and "| tutorial | tune=True | 100% |" in text
+    assert "## tutorial" in text

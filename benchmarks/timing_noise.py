@@ -1,0 +1,81 @@
+"""How far apart two compiles of one training step time, and whether `tune=True`'s synthetic inputs
+time like real ones (issue 13: the noise a timed choice has to beat).
+
+    python benchmarks/timing_noise.py [--models gpt resnet] [--compiles 4] [--rounds 30]
+
+For each model the quick benchmark's no-remat training step (`benchmarks.common.compile_step`) is
+compiled `--compiles` times; each compile runs on the benchmark's real inputs and on
+`smartremat._tune.synthetic` inputs of the same shapes (what `tune=True` times). All of them are
+warmed up twice and timed in `--rounds` interleaved rounds. Printed: each one's median and minimum,
+the spread of the medians (and of the minima) between compiles, as (max - min) / min, and the
+median ratio synthetic / real.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import compile_step  # sets the CPU flag before JAX
+
+import argparse
+import statistics
+import time
+
+import jax
+
+from benchmarks.run import build, environment
+from smartremat._tune import synthetic
+
+
+def _inputs(params, x) -> tuple:
+    leaves, treedef = jax.tree.flatten(params)
+    fake = synthetic([jax.ShapeDtypeStruct(a.shape, a.dtype) for a in [*leaves, x]])
+    return jax.tree.unflatten(treedef, list(fake[:-1])), fake[-1]
+
+
+def measure(name: str, compiles: int, rounds: int) -> list[str]:
+    case = build(name, "quick")
+    runs = {}
+    for k in range(compiles):
+        step, params, _, _ = compile_step(case.model, case.x)
+        runs[f"compile {k} real"] = (step, params, case.x)
+        runs[f"compile {k} synthetic"] = (step, *_inputs(params, case.x))
+    for step, p, x in runs.values():  # warm-up
+        jax.block_until_ready(step(p, x))
+        jax.block_until_ready(step(p, x))
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k, (step, p, x) in runs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(step(p, x))
+            times[k].append(time.perf_counter() - t0)
+    med = {k: statistics.median(t) for k, t in times.items()}
+    low = {k: min(t) for k, t in times.items()}
+    lines = [f"== {case.label}: no remat, {compiles} compiles x {rounds} interleaved rounds =="]
+    lines += [f"{k:22s} median {med[k] * 1e3:8.1f} ms   min {low[k] * 1e3:8.1f} ms" for k in runs]
+    for kind in ("real", "synthetic"):
+        m = [v for k, v in med.items() if k.endswith(kind)]
+        lo = [v for k, v in low.items() if k.endswith(kind)]
+        lines.append(f"{kind:9s} inputs: spread between compiles of the median {(max(m) - min(m)) / min(m):.3f}, "
+                     f"of the minimum {(max(lo) - min(lo)) / min(lo):.3f}")
+    ratio = [med[f"compile {k} synthetic"] / med[f"compile {k} real"] for k in range(compiles)]
+    lines.append("median synthetic / real per compile: " + ", ".join(f"{r:.3f}" for r in ratio))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["gpt", "resnet"])
+    ap.add_argument("--compiles", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=30)
+    args = ap.parse_args(argv)
+    env = environment()
+    print(f"jax {env['jax']} on {env['device']} ({env['machine']}); XLA_FLAGS={env['xla_flags']!r}")
+    for name in args.models:
+        print("\n".join(measure(name, args.compiles, args.rounds)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

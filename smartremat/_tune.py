@@ -1,0 +1,155 @@
+"""`tune=True`: time the few best fitting candidates of the whole step and keep the fastest.
+
+Compiled FLOPs do not order step times (docs/facts.md, facts 5 and 17: on the CPU no remat is
+the slowest plan of the quick GPT and ResNet, memory traffic costing more than the recompute).
+With `tune=True` the search's choice (the fewest compiled FLOPs that fit) is timed beside every
+uniform plan and up to `TUNE_FRONTIER` frontier points of lower predicted peak, each compiled as
+the step that runs; those whose compiled temp bytes fit are run on synthetic inputs of the step's
+shapes, in interleaved rounds, and the one of the lowest median time wins among those faster than
+the search's choice beyond the noise (a sign test over the paired rounds, `faster`).
+
+The times of a set of candidates are kept in this process (keyed by each one's step, signature,
+plan, backend and flags), and a tuned plan is stored in the disk plan cache like any plan: the same
+machine plans the same step the same way again without timing it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._cache import KeyedCache
+from ._search import Choice, Outcome, _Compiled, spread
+
+#: Frontier points of lower predicted peak than the search's choice that are timed beside it.
+TUNE_FRONTIER = 3
+#: Interleaved timing rounds per candidate (after two warm-up runs each); the median counts.
+TUNE_ROUNDS = 11
+#: A candidate replaces the fewest-FLOPs choice only where a sign test over the paired rounds
+#: says it is faster at this level (`faster`): on a noisy machine two compiles of one program
+#: differ by several percent (docs/benchmarks.md, "noise"), and a switch on noise costs as much.
+SIGNIFICANCE = 0.05
+#: Synthetic floating inputs are uniform in `[-SCALE, SCALE]`: small enough that a deep stack of
+#: them neither overflows nor reaches denormals, which would time other arithmetic.
+SCALE = 0.05
+
+
+@dataclass(frozen=True)
+class Timed:
+    """One candidate step to time: `compile()` gives the executable the step runs (called with
+    arrays of `avals`); arguments at `donated` are consumed by a call, so each run gets copies."""
+
+    key: Hashable
+    compile: Callable[[], Any]
+    avals: tuple
+    donated: tuple[int, ...] = ()
+
+
+_TIMES: KeyedCache[tuple[tuple[float, ...], ...]] = KeyedCache()
+
+
+def synthetic(avals: Sequence[jax.ShapeDtypeStruct], seed: int = 0) -> tuple[jax.Array, ...]:
+    """Concrete arrays of `avals`' shapes and dtypes (placed with their shardings where those are
+    concrete): small uniform floats, zeros otherwise (valid indices, `False` masks, PRNG keys)."""
+    keys = jax.random.split(jax.random.key(seed), max(len(avals), 1))
+    out = []
+    for k, a in zip(keys, avals):
+        if jnp.issubdtype(a.dtype, jnp.floating) or jnp.issubdtype(a.dtype, jnp.complexfloating):
+            x = jax.random.uniform(k, a.shape, jnp.float32, -SCALE, SCALE).astype(a.dtype)
+        else:
+            x = jnp.zeros(a.shape, a.dtype)
+        out.append(_placed(x, getattr(a, "sharding", None)))
+    return tuple(out)
+
+
+def _placed(x: jax.Array, sharding: Any) -> jax.Array:
+    """`x` with `sharding`, if that names concrete devices; an abstract one (from a tracer)
+    leaves `x` on the default device, which only the timing sees."""
+    if sharding is None or not hasattr(sharding, "device_set"):
+        return x
+    try:
+        return jax.device_put(x, sharding)
+    except (ValueError, TypeError, RuntimeError):
+        return x
+
+
+def timings(steps: Sequence[Timed], rounds: int = TUNE_ROUNDS) -> list[tuple[float, ...]]:
+    """Seconds per call of each step in each of `rounds` interleaved rounds (after two warm-up
+    calls each), so that drift falls on all alike and rounds pair up, each round's order rotated by
+    one (what runs just before a step can slow it: a step freeing hundreds of MB, docs/facts.md,
+    fact 18); the steps are compiled in parallel. Kept per set of steps: the same candidates are timed once per process."""
+    return list(_TIMES.get((tuple(s.key for s in steps), rounds), lambda: _timed(steps, rounds)))
+
+
+def _timed(steps: Sequence[Timed], rounds: int) -> tuple[tuple[float, ...], ...]:
+    with ThreadPoolExecutor(max(1, min(len(steps), 2))) as pool:
+        executables = list(pool.map(lambda s: s.compile(), steps))
+    runs = [_Run(e, synthetic(s.avals), s.donated) for e, s in zip(executables, steps)]
+    for r in runs:
+        r.once(), r.once()
+    times: list[list[float]] = [[] for _ in runs]
+    for k in range(rounds):  # each round starts one step later: no step always runs after the same one
+        for i in range(len(runs)):
+            j = (i + k) % len(runs)
+            times[j].append(runs[j].once())
+    return tuple(tuple(t) for t in times)
+
+
+def faster(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether times `a` beat times `b` beyond the noise: a lower median, and faster in so many of
+    the paired rounds that a coin would do as well with probability at most `SIGNIFICANCE` (a
+    one-sided sign test: 9 of 11 rounds)."""
+    n, wins = len(a), sum(x < y for x, y in zip(a, b))
+    tail = sum(math.comb(n, k) for k in range(wins, n + 1)) / 2**n
+    return statistics.median(a) < statistics.median(b) and tail <= SIGNIFICANCE
+
+
+@dataclass
+class _Run:
+    executable: Any
+    args: tuple
+    donated: tuple[int, ...]
+
+    def once(self) -> float:
+        args = tuple(jnp.copy(a) if i in self.donated else a for i, a in enumerate(self.args))
+        jax.block_until_ready(args)
+        t0 = time.perf_counter()
+        jax.block_until_ready(self.executable(*args))
+        return time.perf_counter() - t0
+
+
+def pool(points: Sequence[Choice], uniforms: Sequence[Choice], chosen: Choice) -> list[Choice]:
+    """The candidates to time: the search's choice first, every uniform plan, and up to
+    `TUNE_FRONTIER` frontier points of lower predicted peak than the choice, evenly spaced
+    (`points` are sorted by predicted peak)."""
+    below = list(points[: points.index(chosen)]) if chosen in points else []
+    return list(dict.fromkeys([chosen, *uniforms, *spread(below, TUNE_FRONTIER)]))
+
+
+def tuned(outcome: Outcome, candidates: Sequence[Choice], budget: int, compiled: _Compiled,
+          time_of: Callable[[Sequence[Choice]], list[tuple[float, ...]]],
+          progress: Callable[[str], None]) -> tuple[Choice, tuple[tuple[int, float, float], ...]]:
+    """`(fastest choice, timed)`: `candidates` (the search's choice first) compiled for their temp
+    bytes; those that fit (under every loss) timed by `time_of` (seconds per round); of those
+    `faster` than the search's choice, the one of the lowest median wins, else the search's choice
+    stays. `timed` is `(temp, flops, median seconds)` per candidate timed."""
+    compiled(*candidates)
+    fits = [c for c in candidates if compiled.figures[c][0] <= budget and compiled.exact(c) <= budget]
+    if outcome.choice not in fits:  # the search's choice fits by construction
+        fits.insert(0, outcome.choice)
+        compiled.figures[outcome.choice] = outcome.compiled
+    progress(f"timing {len(fits)} fitting candidate plan(s) ({TUNE_ROUNDS} rounds)")
+    rounds = time_of(fits)
+    first = fits.index(outcome.choice)
+    better = [i for i in range(len(fits)) if i != first and faster(rounds[i], rounds[first])]
+    best = min(better, key=lambda i: (statistics.median(rounds[i]), i), default=first)
+    timed = tuple((compiled.figures[c][0], compiled.figures[c][1], statistics.median(r)) for c, r in zip(fits, rounds))
+    return fits[best], timed

@@ -1,0 +1,161 @@
+"""`tune=True`: the fastest fitting candidate is kept, timed on synthetic inputs, never re-timed,
+and the user's arrays and gradients are untouched."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import smartremat
+from smartremat import MB, _planner, _tune
+from smartremat._search import Outcome, _Compiled
+
+from tests.helpers import backward, tree_allclose
+from tests.models import MLPStack
+
+
+@pytest.mark.parametrize("aval", [
+    jax.ShapeDtypeStruct((3, 4), jnp.float32),
+    jax.ShapeDtypeStruct((2,), jnp.bfloat16),
+    jax.ShapeDtypeStruct((5,), jnp.int32),
+    jax.ShapeDtypeStruct((), jnp.bool_),
+    jax.ShapeDtypeStruct((2,), jax.random.key(0).dtype),
+])
+def test_synthetic_inputs_have_the_shapes_and_dtypes_asked_and_small_finite_floats(aval):
+    (x,) = _tune.synthetic([aval])
+    assert x.shape == aval.shape and x.dtype == aval.dtype
+    if jnp.issubdtype(aval.dtype, jnp.floating):
+        values = np.asarray(x, np.float32)
+        assert np.all(np.abs(values) <= _tune.SCALE) and np.any(values != 0)
+    elif not jnp.issubdtype(aval.dtype, jax.dtypes.prng_key):
+        assert not np.any(np.asarray(x))  # zeros: valid indices, False masks
+
+
+@pytest.mark.parametrize("n_below, want", [(0, 0), (2, 2), (8, _tune.TUNE_FRONTIER)])
+def test_the_pool_is_the_choice_every_uniform_plan_and_a_few_lower_frontier_points(n_below, want):
+    points = [(i,) for i in range(n_below)] + [(100,), (101,)]
+    uniforms = [(7,), (100,), (8,)]
+    got = _tune.pool(points, uniforms, (100,))
+    assert got[0] == (100,) and {(7,), (8,)} <= set(got) and len(got) == len(set(got))
+    below = [c for c in got if c[0] < n_below]
+    assert len(below) == want and (n_below == 0 or (0,) in below)  # the lowest-peak point is kept
+    assert (101,) not in got  # above the choice: predicted not to fit
+
+
+ROUNDS = _tune.TUNE_ROUNDS
+
+
+def _rounds(median, wins_against=None, base=None):
+    """Round times of a given median; with `base`, faster than it in `wins_against` rounds."""
+    if base is None:
+        return (median,) * ROUNDS
+    return tuple(b - 0.5 if i < wins_against else b + 0.5 for i, b in enumerate(base))
+
+
+@pytest.mark.parametrize("wins, want", [(ROUNDS, (2,)), (9, (2,)), (8, (1,)), (0, (1,))])
+def test_a_candidate_replaces_the_fewest_flops_choice_only_when_faster_beyond_the_noise(wins, want):
+    """A sign test over the paired rounds: 9 of 11 is significant at 5%, 8 is not."""
+    temps = {(1,): 90, (2,): 80, (3,): 120}
+    compiled = _Compiled(lambda c: (temps[c], 10.0 * c[0]), lambda _: None, None)
+    base = tuple(10.0 + i for i in range(ROUNDS))  # drift: later rounds slower for all alike
+    times = {(1,): base, (2,): _rounds(None, wins, base), (3,): (0.1,) * ROUNDS}
+    asked = []
+
+    def time_of(choices):
+        asked.append(list(choices))
+        return [times[c] for c in choices]
+
+    out = Outcome((1,), (90, 10.0), ((1,),))
+    choice, timed = _tune.tuned(out, [(1,), (2,), (3,)], 100, compiled, time_of, lambda _: None)
+    assert choice == want
+    assert asked == [[(1,), (2,)]]  # (3,) is fastest but misses the budget: never timed
+    assert [t[:2] for t in timed] == [(90, 10.0), (80, 20.0)]
+
+
+@pytest.mark.parametrize("n, wins, want", [(11, 9, True), (11, 8, False), (5, 5, True), (4, 4, False)])
+def test_faster_is_a_one_sided_sign_test_at_five_percent(n, wins, want):
+    b = [1.0] * n
+    a = [0.9] * wins + [1.1] * (n - wins)
+    assert _tune.faster(a, b) is (want and sorted(a)[n // 2] < 1.0)
+
+
+def _stack():
+    model = MLPStack(4, 64, 512, jax.random.key(0))
+    return model, jax.random.normal(jax.random.key(1), (32, 64))
+
+
+def test_tune_keeps_the_candidate_timed_fastest_and_gradients_are_unchanged(monkeypatch):
+    """Times are faked (the clock decides nothing a test can assert): the last candidate timed is
+    made fastest in every round, and the plan must be it."""
+    smartremat.clear_caches()
+    model, x = _stack()
+    seen = []
+
+    def timings(steps, rounds=_tune.TUNE_ROUNDS):
+        seen.append([s.key for s in steps])
+        n = len(steps)  # the last candidate timed is fastest in every round
+        return [tuple(float(n - i) + r for r in range(rounds)) for i in range(n)]
+
+    monkeypatch.setattr(_planner, "timings", timings)
+    budget = 1.2
+    plan = smartremat.explain(smartremat.smartremat(budget_mb=budget, tune=True)(model), x)
+    assert len(seen) == 1 and len(plan.timed) == len(seen[0]) >= 2
+    assert all(t <= budget * MB for t, _, _ in plan.timed)
+    assert (plan.compiled_peak_bytes, plan.compiled_flops) == plan.timed[-1][:2]
+    default = smartremat.explain(smartremat.smartremat(budget_mb=budget)(model), x)
+    assert (default.compiled_peak_bytes, default.compiled_flops) == plan.timed[0][:2]  # fewest FLOPs first
+    assert "tuned" in str(plan) and "<- chosen" in str(plan)
+    tuned = smartremat.smartremat(budget_mb=budget, tune=True)(model)
+    assert tree_allclose(backward(tuned, x).module, backward(model, x))
+
+
+def test_each_candidate_is_timed_once_per_process(monkeypatch):
+    smartremat.clear_caches()
+    model, x = _stack()
+    runs = []
+    once = _tune._Run.once
+    monkeypatch.setattr(_tune._Run, "once", lambda self: runs.append(self) or once(self))
+    first = smartremat.explain(smartremat.smartremat(budget_mb=1.2, tune=True)(model), x)
+    n = len(runs)
+    assert n == len(first.timed) * (_tune.TUNE_ROUNDS + 2)
+    _planner._PLANS.clear()  # plan again: the candidates' times are known
+    again = smartremat.explain(smartremat.smartremat(budget_mb=1.2, tune=True)(model), x)
+    assert len(runs) == n and again.timed == first.timed
+
+
+def test_a_tuned_plan_round_trips_through_json(tmp_path):
+    model, x = _stack()
+    plan = smartremat.explain(smartremat.smartremat(budget_mb=1.2, tune=True)(model), x)
+    plan.save(str(tmp_path / "p.json"))
+    loaded = smartremat.load_plan(str(tmp_path / "p.json"))
+    assert [s for _, _, s in loaded.timed] == [s for _, _, s in plan.timed]
+    assert [t for t, _, _ in loaded.timed] == [t for t, _, _ in plan.timed]
+
+
+OPT = optax.sgd(1e-2)
+
+
+def _step(model, opt_state, x, y):
+    value, grads = eqx.filter_value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    updates, opt_state = OPT.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return value, eqx.apply_updates(model, updates), opt_state
+
+
+def test_filter_jit_tunes_the_whole_step_without_touching_donated_arguments():
+    model, x = _stack()
+    opt_state = OPT.init(eqx.filter(model, eqx.is_array))
+    y = jnp.tanh(x)
+    planned = smartremat.filter_jit(_step, budget_mb=1.5, donate="all", tune=True)
+    plan = planned.plan(model, opt_state, x, y)
+    assert len(plan.timed) >= 2 and all(t <= 1.5 * MB for t, _, _ in plan.timed)
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(eqx.filter((model, opt_state, x), eqx.is_array)))
+    want = eqx.filter_jit(_step)(model, opt_state, x, y)
+    got = planned(model, opt_state, x, y)
+    assert tree_allclose(eqx.filter(got, eqx.is_array), eqx.filter(want, eqx.is_array))
+
+
+def test_tune_without_verify_is_refused():
+    with pytest.raises(ValueError, match=r"`smartremat\(tune=True, verify=False\)`.*needs `verify=True`"):
+        smartremat.smartremat(budget_mb=1, tune=True, verify=False)
