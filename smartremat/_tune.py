@@ -93,8 +93,9 @@ def _timed(steps: Sequence[Timed], rounds: int) -> tuple[tuple[float, ...], ...]
     with ThreadPoolExecutor(max(1, min(len(steps), 2))) as pool:
         executables = list(pool.map(lambda s: s.compile(), steps))
     runs = [_Run(e, synthetic(s.avals), s.donated) for e, s in zip(executables, steps)]
-    for r in runs:
-        r.once(), r.once()
+    for r in runs:  # warm-up
+        r.once()
+        r.once()
     times: list[list[float]] = [[] for _ in runs]
     for k in range(rounds):  # each round starts one step later: no step always runs after the same one
         for i in range(len(runs)):
