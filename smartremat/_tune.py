@@ -6,7 +6,7 @@ With `tune=True` the search's choice (the fewest compiled FLOPs that fit) is tim
 uniform plan and up to `TUNE_FRONTIER` frontier points of lower predicted peak, each compiled as
 the step that runs; those whose compiled temp bytes fit are run on synthetic inputs of the step's
 shapes, in interleaved rounds, and the one of the lowest median time wins among those faster than
-the search's choice beyond the noise (a sign test over the paired rounds, `faster`).
+the search's choice beyond the noise (a signed-rank test over the paired rounds, `faster`).
 
 The times of a set of candidates are kept in this process (keyed by each one's step, signature,
 plan, backend and flags), and a tuned plan is stored in the disk plan cache like any plan: the same
@@ -15,7 +15,6 @@ machine plans the same step the same way again without timing it.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -32,9 +31,9 @@ from ._search import Choice, Outcome, _Compiled, spread
 #: Frontier points of lower predicted peak than the search's choice that are timed beside it.
 TUNE_FRONTIER = 3
 #: Interleaved timing rounds per candidate (after two warm-up runs each); the median counts.
-TUNE_ROUNDS = 11
-#: A candidate replaces the fewest-FLOPs choice only where a sign test over the paired rounds
-#: says it is faster at this level (`faster`): on a noisy machine two compiles of one program
+TUNE_ROUNDS = 25
+#: A candidate replaces the fewest-FLOPs choice only where a signed-rank test over the paired
+#: rounds says it is faster at this level (`faster`): on a noisy machine two compiles of one program
 #: differ by several percent (docs/benchmarks.md, "noise"), and a switch on noise costs as much.
 SIGNIFICANCE = 0.05
 #: Synthetic floating inputs are uniform in `[-SCALE, SCALE]`: small enough that a deep stack of
@@ -105,11 +104,26 @@ def _timed(steps: Sequence[Timed], rounds: int) -> tuple[tuple[float, ...], ...]
 
 
 def faster(a: Sequence[float], b: Sequence[float]) -> bool:
-    """Whether times `a` beat times `b` beyond the noise: a lower median, and faster in so many of
-    the paired rounds that a coin would do as well with probability at most `SIGNIFICANCE` (a
-    one-sided sign test: 9 of 11 rounds)."""
-    n, wins = len(a), sum(x < y for x, y in zip(a, b))
-    tail = sum(math.comb(n, k) for k in range(wins, n + 1)) / 2**n
+    """Whether times `a` beat times `b` beyond the noise: a lower median, and a one-sided Wilcoxon
+    signed-rank test over the paired rounds at `SIGNIFICANCE` (exact: every sign pattern of the
+    ranks counted). Unlike a count of rounds won, it weighs a round by how much it was won by."""
+    d = [y - x for x, y in zip(a, b) if y != x]  # > 0 where `a` was faster
+    order = sorted(range(len(d)), key=lambda i: abs(d[i]))
+    rank = [0] * len(d)  # twice the rank (ties share their mean rank), to stay in integers
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and abs(d[order[j + 1]]) == abs(d[order[i]]):
+            j += 1
+        for k in order[i:j + 1]:
+            rank[k] = i + j + 2
+        i = j + 1
+    won = sum(r for r, v in zip(rank, d) if v > 0)
+    counts = {0: 1}  # sign patterns by their sum of won ranks
+    for r in rank:
+        for total, n in list(counts.items()):
+            counts[total + r] = counts.get(total + r, 0) + n
+    tail = sum(n for total, n in counts.items() if total >= won) / 2 ** len(d)
     return statistics.median(a) < statistics.median(b) and tail <= SIGNIFICANCE
 
 

@@ -1,6 +1,8 @@
 """`tune=True`: the fastest fitting candidate is kept, timed on synthetic inputs, never re-timed,
 and the user's arrays and gradients are untouched."""
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -54,9 +56,15 @@ def _rounds(median, wins_against=None, base=None):
     return tuple(b - 0.5 if i < wins_against else b + 0.5 for i, b in enumerate(base))
 
 
-@pytest.mark.parametrize("wins, want", [(ROUNDS, (2,)), (9, (2,)), (8, (1,)), (0, (1,))])
-def test_a_candidate_replaces_the_fewest_flops_choice_only_when_faster_beyond_the_noise(wins, want):
-    """A sign test over the paired rounds: 9 of 11 is significant at 5%, 8 is not."""
+def _fewest_wins(n: int) -> int:
+    """Rounds of `n` that a step must win, all by the same margin, to be faster at 5%: with equal
+    margins the signed-rank test is the sign test, whose tail is binomial."""
+    return next(k for k in range(n + 1) if sum(math.comb(n, j) for j in range(k, n + 1)) / 2**n <= 0.05)
+
+
+@pytest.mark.parametrize("wins, switch", [(ROUNDS, True), (_fewest_wins(ROUNDS), True),
+                                          (_fewest_wins(ROUNDS) - 1, False), (0, False)])
+def test_a_candidate_replaces_the_fewest_flops_choice_only_when_faster_beyond_the_noise(wins, switch):
     temps = {(1,): 90, (2,): 80, (3,): 120}
     compiled = _Compiled(lambda c: (temps[c], 10.0 * c[0]), lambda _: None, None)
     base = tuple(10.0 + i for i in range(ROUNDS))  # drift: later rounds slower for all alike
@@ -69,16 +77,20 @@ def test_a_candidate_replaces_the_fewest_flops_choice_only_when_faster_beyond_th
 
     out = Outcome((1,), (90, 10.0), ((1,),))
     choice, timed = _tune.tuned(out, [(1,), (2,), (3,)], 100, compiled, time_of, lambda _: None)
-    assert choice == want
+    assert choice == ((2,) if switch else (1,))
     assert asked == [[(1,), (2,)]]  # (3,) is fastest but misses the budget: never timed
     assert [t[:2] for t in timed] == [(90, 10.0), (80, 20.0)]
 
 
-@pytest.mark.parametrize("n, wins, want", [(11, 9, True), (11, 8, False), (5, 5, True), (4, 4, False)])
-def test_faster_is_a_one_sided_sign_test_at_five_percent(n, wins, want):
-    b = [1.0] * n
-    a = [0.9] * wins + [1.1] * (n - wins)
-    assert _tune.faster(a, b) is (want and sorted(a)[n // 2] < 1.0)
+@pytest.mark.parametrize("a, b, want", [
+    ([5.0] * 7 + [10.1] * 4, [10.0] * 11, True),  # 7 of 11 won, by far: significant by rank, not by count
+    ([9.9] * 7 + [15.0] * 4, [10.0] * 11, False),  # 7 won by a hair, 4 lost by far
+    ([9.0] * 5, [10.0] * 5, True),  # every one of 5 rounds: p = 1/32
+    ([9.0] * 4, [10.0] * 4, False),  # every one of 4: p = 1/16
+    ([10.0] * 11, [10.0] * 11, False),  # equal
+])
+def test_faster_is_a_one_sided_signed_rank_test_at_five_percent(a, b, want):
+    assert _tune.faster(a, b) is want
 
 
 def _stack():
