@@ -131,11 +131,6 @@ class KeyedCache(Generic[T]):
                         self._values.popitem(last=False)
                     return value
 
-    def peek(self, key: Hashable) -> T | None:
-        """The value kept for `key`, or `None` (nothing is made)."""
-        with self._lock:
-            return self._values.get(key)
-
     def __len__(self) -> int:
         with self._lock:
             return len(self._values)

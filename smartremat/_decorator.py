@@ -73,6 +73,10 @@ def make_config(budget_mb: Any, *, policies: Sequence[Any] | None = None, blocks
             f"its own policy, a scanned block's scan may be split into), not {scan_segments!r}; "
             "e.g. `scan_segments=1` keeps every scan whole."
         )
+    if tune and plan is not None:
+        raise ValueError(
+            f"`{name}(tune=True, plan=...)`: a saved plan runs as saved, so there is nothing to tune. "
+            "Drop `tune=True`, or leave `plan=None` to plan (and tune) again.")
     if tune and not verify:
         raise ValueError(
             f"`{name}(tune=True, verify=False)`: tuning times the candidate plans that the compiler "

@@ -126,7 +126,8 @@ def filter_jit(fun: Callable | None = None, *, budget_mb: float | str, donate: s
       what the step adds to memory.
     - `policies`, `calibrate`, `scan_segments`, `nested`: as for `smartremat.smartremat`.
     - `tune`: as for `smartremat.smartremat`, timing the whole step (on synthetic arguments of
-      its shapes, dtypes and shardings; donated ones copied for each run) instead of a gradient.
+      its shapes, dtypes and shardings, never yours; donated ones copied for each run, so a
+      donated argument takes device memory twice more while timing) instead of a gradient.
 
     **Returns:**
 

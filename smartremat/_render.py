@@ -90,16 +90,18 @@ def _totals(plan: Plan) -> list[str]:
         f"planned in      {plan.planning_seconds:10.2f} s on {plan.backend}, {plan.compiles} whole-step compiles   "
         "(* = chosen; MB kept for the backward" + (_LENDS if _lends(plan) else "") + ")",
     ]
-    return lines + _timed(plan) + [f"note: {n}" for n in plan.notes]
+    return lines + _timed_rows(plan) + [f"note: {n}" for n in plan.notes]
 
 
-def _timed(plan: Plan) -> list[str]:
-    """With `tune=True`: each fitting candidate timed, the fewest-FLOPs one first, the fastest marked."""
+def _timed_rows(plan: Plan) -> list[str]:
+    """With `tune=True`: each fitting candidate timed, the plan chosen without tuning first, the
+    one applied marked (the lowest median is not always it: a switch needs a significant test)."""
     if not plan.timed:
         return []
-    fastest = min(range(len(plan.timed)), key=lambda i: (plan.timed[i][2], i))
-    rows = [f"  {'fewest FLOPs' if i == 0 else 'candidate':12s} {t / MB:10.2f} MB {f / 1e9:10.3f} GFLOP "
-            f"{s * 1e3:10.2f} ms" + ("  <- chosen" if i == fastest else "")
+    applied = (plan.compiled_peak_bytes, plan.compiled_flops)
+    chosen = next((i for i, (t, f, _) in enumerate(plan.timed) if (t, f) == applied), None)
+    rows = [f"  {'untuned' if i == 0 else 'candidate':12s} {t / MB:10.2f} MB {f / 1e9:10.3f} GFLOP "
+            f"{s * 1e3:10.2f} ms" + ("  <- chosen" if i == chosen else "")
             for i, (t, f, s) in enumerate(plan.timed)]
     return [f"tuned           {len(plan.timed)} fitting candidates timed (compiled temp, compiled FLOPs, median step):",
             *rows]

@@ -142,8 +142,9 @@ def _plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], call
     stages = model.stages
     lowest = min_peak(stages)
     sol = solve(stages, config.budget_bytes - model.fixed_bytes) or lowest
+
     def time_of(choices: list) -> list[tuple[float, ...]]:
-        return timings([_timed(fun, sig, (classes, split_assignment(model, c, labels)), options.donate)
+        return timings([_timed_entry(fun, sig, (classes, split_assignment(model, c, labels)), options.donate)
                         for c in choices])
 
     sol, outcome = _planner.verified(model, config, measure, lambda floor: _too_low(fun, config, floor, name, options.auto),
@@ -155,7 +156,7 @@ def _plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], call
     return Entry(plan, split_assignment(model, sol.choice, labels), classes, sig)
 
 
-def _timed(fun: Callable, sig: Signature, entry_of: tuple, donate: str) -> Timed:
+def _timed_entry(fun: Callable, sig: Signature, entry_of: tuple, donate: str) -> Timed:
     """The whole step under `entry_of`, as `_tune.timings` times it: lowered and compiled as it
     runs, its donated arguments consumed by each call."""
     from ._verify import _assignment_key

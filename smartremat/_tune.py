@@ -43,11 +43,11 @@ SCALE = 0.05
 
 @dataclass(frozen=True)
 class Timed:
-    """One candidate step to time: `compile()` gives the executable the step runs (called with
+    """One candidate step to time: `build()` compiles the executable the step runs (called with
     arrays of `avals`); arguments at `donated` are consumed by a call, so each run gets copies."""
 
     key: Hashable
-    compile: Callable[[], Any]
+    build: Callable[[], Any]
     avals: tuple
     donated: tuple[int, ...] = ()
 
@@ -76,22 +76,26 @@ def _placed(x: jax.Array, sharding: Any) -> jax.Array:
         return x
     try:
         return jax.device_put(x, sharding)
-    except (ValueError, TypeError, RuntimeError):
+    except (ValueError, TypeError):  # an abstract mesh; out of memory and other runtime errors are raised
         return x
 
 
 def timings(steps: Sequence[Timed], rounds: int = TUNE_ROUNDS) -> list[tuple[float, ...]]:
     """Seconds per call of each step in each of `rounds` interleaved rounds (after two warm-up
-    calls each), so that drift falls on all alike and rounds pair up, each round's order rotated by
-    one (what runs just before a step can slow it: a step freeing hundreds of MB, docs/facts.md,
-    fact 18); the steps are compiled in parallel. Kept per set of steps: the same candidates are timed once per process."""
-    return list(_TIMES.get((tuple(s.key for s in steps), rounds), lambda: _timed(steps, rounds)))
+    calls each), so that drift falls on all alike and rounds pair up; each round's order is
+    rotated by one, so that no step always runs right after the same one (docs/facts.md, fact 18).
+    The steps are compiled in parallel and share one set of synthetic inputs per signature. Kept
+    per set of steps: the same candidates are timed once per process."""
+    return list(_TIMES.get((tuple(s.key for s in steps), rounds), lambda: _time_steps(steps, rounds)))
 
 
-def _timed(steps: Sequence[Timed], rounds: int) -> tuple[tuple[float, ...], ...]:
+def _time_steps(steps: Sequence[Timed], rounds: int) -> tuple[tuple[float, ...], ...]:
     with ThreadPoolExecutor(max(1, min(len(steps), 2))) as pool:
-        executables = list(pool.map(lambda s: s.compile(), steps))
-    runs = [_Run(e, synthetic(s.avals), s.donated) for e, s in zip(executables, steps)]
+        executables = list(pool.map(lambda s: s.build(), steps))
+    inputs: dict[tuple, tuple] = {}  # one set of synthetic inputs per signature: candidates share it
+    for s in steps:
+        inputs.setdefault(_signature(s.avals), synthetic(s.avals))
+    runs = [_Run(e, inputs[_signature(s.avals)], s.donated) for e, s in zip(executables, steps)]
     for r in runs:  # warm-up
         r.once()
         r.once()
@@ -101,6 +105,10 @@ def _timed(steps: Sequence[Timed], rounds: int) -> tuple[tuple[float, ...], ...]
             j = (i + k) % len(runs)
             times[j].append(runs[j].once())
     return tuple(tuple(t) for t in times)
+
+
+def _signature(avals: Sequence[jax.ShapeDtypeStruct]) -> tuple:
+    return tuple((a.shape, str(a.dtype), str(getattr(a, "sharding", None))) for a in avals)
 
 
 def faster(a: Sequence[float], b: Sequence[float]) -> bool:
@@ -155,7 +163,8 @@ def tuned(outcome: Outcome, candidates: Sequence[Choice], budget: int, compiled:
     """`(fastest choice, timed)`: `candidates` (the search's choice first) compiled for their temp
     bytes; those that fit (under every loss) timed by `time_of` (seconds per round); of those
     `faster` than the search's choice, the one of the lowest median wins, else the search's choice
-    stays. `timed` is `(temp, flops, median seconds)` per candidate timed."""
+    stays (even where another's median is lower). `timed` is `(temp, flops, median seconds)` per
+    candidate timed, the search's choice first."""
     compiled(*candidates)
     fits = [c for c in candidates if compiled.figures[c][0] <= budget and compiled.exact(c) <= budget]
     if outcome.choice not in fits:  # the search's choice fits by construction
@@ -166,5 +175,5 @@ def tuned(outcome: Outcome, candidates: Sequence[Choice], budget: int, compiled:
     first = fits.index(outcome.choice)
     better = [i for i in range(len(fits)) if i != first and faster(rounds[i], rounds[first])]
     best = min(better, key=lambda i: (statistics.median(rounds[i]), i), default=first)
-    timed = tuple((compiled.figures[c][0], compiled.figures[c][1], statistics.median(r)) for c, r in zip(fits, rounds))
+    timed = tuple((*compiled.figures[c], statistics.median(r)) for c, r in zip(fits, rounds))
     return fits[best], timed

@@ -157,11 +157,11 @@ def timed_step(call: Callable, spec: CallSpec, assignment: Assignment, loss: Any
     f = spec.function(lambda m, *a, **k: run(m, call, assignment, a, k))
     step, avals = loss_step(f, spec, loss)
 
-    def compile() -> Any:
+    def executable() -> Any:
         with mesh_context(avals):
             return jax.jit(step).lower(*avals).compile()
 
-    return Timed((spec.key(), call, _assignment_key(assignment), loss, *environment_key()), compile, avals)
+    return Timed((spec.key(), call, _assignment_key(assignment), loss, *environment_key()), executable, avals)
 
 
 def _options_key(options: dict | None) -> tuple | None:
