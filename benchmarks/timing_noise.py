@@ -1,7 +1,7 @@
 """How far apart two compiles of one training step time, and whether `tune=True`'s synthetic inputs
 time like real ones (issue 13: the noise a timed choice has to beat).
 
-    python benchmarks/timing_noise.py [--models gpt resnet] [--compiles 4] [--rounds 30]
+    python benchmarks/timing_noise.py [--models gpt resnet] [--compiles 4] [--rounds 30] [--copies]
 
 For each model the quick benchmark's no-remat training step (`benchmarks.common.compile_step`) is
 compiled `--compiles` times; each compile runs on the benchmark's real inputs and on
@@ -24,6 +24,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 
 from benchmarks.run import build, environment
 from smartremat._tune import synthetic
@@ -35,13 +36,15 @@ def _inputs(params, x) -> tuple:
     return jax.tree.unflatten(treedef, list(fake[:-1])), fake[-1]
 
 
-def measure(name: str, compiles: int, rounds: int) -> list[str]:
+def measure(name: str, compiles: int, rounds: int, copies: bool = False) -> list[str]:
     case = build(name, "quick")
     runs = {}
     for k in range(compiles):
         step, params, _, _ = compile_step(case.model, case.x)
         runs[f"compile {k} real"] = (step, params, case.x)
         runs[f"compile {k} synthetic"] = (step, *_inputs(params, case.x))
+        if copies:  # the same executable on a second copy of the real inputs: an offset of the arrays?
+            runs[f"compile {k} real copy"] = (step, *jax.tree.map(jnp.copy, (params, case.x)))
     for step, p, x in runs.values():  # warm-up
         jax.block_until_ready(step(p, x))
         jax.block_until_ready(step(p, x))
@@ -65,7 +68,31 @@ def measure(name: str, compiles: int, rounds: int) -> list[str]:
                      f"of the minimum {(max(lo) - min(lo)) / min(lo):.3f}")
     ratio = [med[f"compile {k} synthetic"] / med[f"compile {k} real"] for k in range(compiles)]
     lines.append("median synthetic / real per compile: " + ", ".join(f"{r:.3f}" for r in ratio))
+    lines += _split(times, compiles, copies)
     return lines
+
+
+def _spread(values: list[float]) -> float:
+    return (max(values) - min(values)) / min(values)
+
+
+def _split(times: dict[str, list[float]], compiles: int, copies: bool) -> list[str]:
+    """Whether a compile has an offset of its own or its median is just a draw: the spread between
+    the medians of one compile's even and odd rounds (sampling alone) against the spread between
+    compiles' medians of their even rounds (sampling and any per-compile offset); with `copies`,
+    between one executable's two copies of the inputs (an offset of where the arrays lie)."""
+    real = [times[f"compile {k} real"] for k in range(compiles)]
+    halves = [_spread([statistics.median(t[0::2]), statistics.median(t[1::2])]) for t in real]
+    out = ["split half (real inputs): spread even / odd rounds within a compile "
+           + ", ".join(f"{h:.3f}" for h in halves)
+           + f"; between compiles, even rounds {_spread([statistics.median(t[0::2]) for t in real]):.3f}, "
+           f"odd rounds {_spread([statistics.median(t[1::2]) for t in real]):.3f}"]
+    if copies:
+        pairs = [_spread([statistics.median(times[f"compile {k} real"]), statistics.median(times[f"compile {k} real copy"])])
+                 for k in range(compiles)]
+        out.append("one executable, two copies of the real inputs: spread of the medians "
+                   + ", ".join(f"{p:.3f}" for p in pairs))
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -73,11 +100,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", nargs="+", default=["gpt", "resnet"])
     ap.add_argument("--compiles", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--copies", action="store_true", help="also run each executable on a copy of the real inputs")
     args = ap.parse_args(argv)
     env = environment()
     print(f"jax {env['jax']} on {env['device']} ({env['machine']}); XLA_FLAGS={env['xla_flags']!r}")
     for name in args.models:
-        print("\n".join(measure(name, args.compiles, args.rounds)), flush=True)
+        print("\n".join(measure(name, args.compiles, args.rounds, args.copies)), flush=True)
 
 
 if __name__ == "__main__":

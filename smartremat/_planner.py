@@ -317,8 +317,8 @@ def verified(model: MemoryModel, config: Config, measure: Callable, error: Calla
     out (`_search`). "Cheapest" is the fewest compiled FLOPs, or the model's FLOPs when a block
     is scanned (XLA's cost analysis counts a loop body once, docs/facts.md fact 7).
 
-    With `time_of` (`tune=True`), the fitting candidates of `_tune.pool` are timed by it, and one
-    faster than that choice beyond the noise replaces it (`_fastest`, `_tune.tuned`).
+    With `time_of` (`tune=True`), the fitting candidates of `_tune.pool` are timed by it, and the
+    one of the lowest median time replaces that choice (`_fastest`, `_tune.tuned`).
     """
     stages = model.stages
     front = frontier(stages) if len(stages) <= _MAX_FRONTIER_STAGES else sorted({lowest, sol}, key=lambda s: s.peak)

@@ -5,8 +5,12 @@ the slowest plan of the quick GPT and ResNet, memory traffic costing more than t
 With `tune=True` the search's choice (the fewest compiled FLOPs that fit) is timed beside every
 uniform plan and up to `TUNE_FRONTIER` frontier points of lower predicted peak, each compiled as
 the step that runs; those whose compiled temp bytes fit are run on synthetic inputs of the step's
-shapes, in interleaved rounds, and the one of the lowest median time wins among those faster than
-the search's choice beyond the noise (a signed-rank test over the paired rounds, `faster`).
+shapes, in interleaved rounds, and the one of the lowest median time wins (ties: the search's
+choice). Two compiles of one program differ by no more than two halves of one compile's rounds
+(docs/facts.md, fact 18): the noise is in the sampling, not a per-compile offset, and a switch on
+it costs what it is within. Picking the lowest median beat keeping the search's choice unless a
+signed-rank test said another was faster, in 300 simulated tunings on each of the quick GPT and
+ResNet (fact 19, `benchmarks/tune_rules.py`): a missed switch to a plan 5-10% faster cost more.
 
 The times of a set of candidates are kept in this process (keyed by each one's step, signature,
 plan, backend and flags), and a tuned plan is stored in the disk plan cache like any plan: the same
@@ -30,12 +34,9 @@ from ._search import Choice, Outcome, _Compiled, spread
 
 #: Frontier points of lower predicted peak than the search's choice that are timed beside it.
 TUNE_FRONTIER = 3
-#: Interleaved timing rounds per candidate (after two warm-up runs each); the median counts.
+#: Interleaved timing rounds per candidate (after two warm-up runs each); the median counts. In
+#: simulated tunings (docs/facts.md, fact 19), 40 rounds chose no better than 25, and 15 a little worse.
 TUNE_ROUNDS = 25
-#: A candidate replaces the fewest-FLOPs choice only where a signed-rank test over the paired
-#: rounds says it is faster at this level (`faster`): on a noisy machine two compiles of one program
-#: differ by several percent (docs/benchmarks.md, "noise"), and a switch on noise costs as much.
-SIGNIFICANCE = 0.05
 #: Synthetic floating inputs are uniform in `[-SCALE, SCALE]`: small enough that a deep stack of
 #: them neither overflows nor reaches denormals, which would time other arithmetic.
 SCALE = 0.05
@@ -111,30 +112,6 @@ def _signature(avals: Sequence[jax.ShapeDtypeStruct]) -> tuple:
     return tuple((a.shape, str(a.dtype), str(getattr(a, "sharding", None))) for a in avals)
 
 
-def faster(a: Sequence[float], b: Sequence[float]) -> bool:
-    """Whether times `a` beat times `b` beyond the noise: a lower median, and a one-sided Wilcoxon
-    signed-rank test over the paired rounds at `SIGNIFICANCE` (exact: every sign pattern of the
-    ranks counted). Unlike a count of rounds won, it weighs a round by how much it was won by."""
-    d = [y - x for x, y in zip(a, b) if y != x]  # > 0 where `a` was faster
-    order = sorted(range(len(d)), key=lambda i: abs(d[i]))
-    rank = [0] * len(d)  # twice the rank (ties share their mean rank), to stay in integers
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and abs(d[order[j + 1]]) == abs(d[order[i]]):
-            j += 1
-        for k in order[i:j + 1]:
-            rank[k] = i + j + 2
-        i = j + 1
-    won = sum(r for r, v in zip(rank, d) if v > 0)
-    counts = {0: 1}  # sign patterns by their sum of won ranks
-    for r in rank:
-        for total, n in list(counts.items()):
-            counts[total + r] = counts.get(total + r, 0) + n
-    tail = sum(n for total, n in counts.items() if total >= won) / 2 ** len(d)
-    return statistics.median(a) < statistics.median(b) and tail <= SIGNIFICANCE
-
-
 @dataclass
 class _Run:
     executable: Any
@@ -161,19 +138,16 @@ def tuned(outcome: Outcome, candidates: Sequence[Choice], budget: int, compiled:
           time_of: Callable[[Sequence[Choice]], list[tuple[float, ...]]],
           progress: Callable[[str], None]) -> tuple[Choice, tuple[tuple[int, float, float], ...]]:
     """`(fastest choice, timed)`: `candidates` (the search's choice first) compiled for their temp
-    bytes; those that fit (under every loss) timed by `time_of` (seconds per round); of those
-    `faster` than the search's choice, the one of the lowest median wins, else the search's choice
-    stays (even where another's median is lower). `timed` is `(temp, flops, median seconds)` per
-    candidate timed, the search's choice first."""
+    bytes; those that fit (under every loss) timed by `time_of` (seconds per round); the one of
+    the lowest median wins (on a tie, the earlier: the search's choice first). `timed` is
+    `(temp, flops, median seconds)` per candidate timed, the search's choice first."""
     compiled(*candidates)
     fits = [c for c in candidates if compiled.figures[c][0] <= budget and compiled.exact(c) <= budget]
     if outcome.choice not in fits:  # the search's choice fits by construction
         fits.insert(0, outcome.choice)
         compiled.figures[outcome.choice] = outcome.compiled
     progress(f"timing {len(fits)} fitting candidate plan(s) ({TUNE_ROUNDS} rounds)")
-    rounds = time_of(fits)
-    first = fits.index(outcome.choice)
-    better = [i for i in range(len(fits)) if i != first and faster(rounds[i], rounds[first])]
-    best = min(better, key=lambda i: (statistics.median(rounds[i]), i), default=first)
-    timed = tuple((*compiled.figures[c], statistics.median(r)) for c, r in zip(fits, rounds))
+    medians = [statistics.median(r) for r in time_of(fits)]
+    best = min(range(len(fits)), key=lambda i: (medians[i], i != fits.index(outcome.choice), i))
+    timed = tuple((*compiled.figures[c], m) for c, m in zip(fits, medians))
     return fits[best], timed

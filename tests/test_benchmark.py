@@ -66,3 +66,16 @@ def test_summary_written(results):
     text = (results / "summary.md").read_text()
     assert "| tutorial | default | 100% |" in text and "| tutorial | tune=True | 100% |" in text
     assert "## tutorial" in text
+
+
+@pytest.mark.parametrize("a, b, want", [
+    ([5.0] * 7 + [10.1] * 4, [10.0] * 11, True),  # 7 of 11 won, by far: significant by rank, not by count
+    ([9.9] * 7 + [15.0] * 4, [10.0] * 11, False),  # 7 won by a hair, 4 lost by far
+    ([9.0] * 5, [10.0] * 5, True),  # every one of 5 rounds: p = 1/32
+    ([9.0] * 4, [10.0] * 4, False),  # every one of 4: p = 1/16
+    ([10.0] * 11, [10.0] * 11, False),  # equal
+])
+def test_tune_rules_signed_rank_rule_is_a_one_sided_test_at_five_percent(a, b, want):
+    from benchmarks.tune_rules import faster
+
+    assert faster(a, b) is want
