@@ -32,7 +32,7 @@ demo: $(BIN)/activate
 # (broken links or API pages fail it), and the tests that reach JAX internals on the oldest
 # versions the package declares.
 test: $(BIN)/activate test-oldest
-	$(BIN)/python -m pytest -q -n 2 tests
+	$(BIN)/python -m pytest -q -n 2 --durations=12 tests
 	$(BIN)/pyright
 	$(BIN)/mkdocs build --strict --quiet -d .site
 

@@ -2,6 +2,7 @@
 (issue 13: measured, not guessed.)
 
     python benchmarks/tune_rules.py [--models gpt resnet] [--rounds 70] [--trials 400] [--random 4]
+                                    [--n 15 25 40] [--json PATH]
 
 For each model, the candidates are the fixed strategies of `benchmarks/run.py`, smartremat's default
 (fewest compiled FLOPs) plan at each of the quick benchmark's budgets, and `--random` mixed plans
@@ -19,7 +20,8 @@ time over the fastest fitting fixed strategy's. Rules:
 - **lowest median**: the fitting candidate of the lowest median (`tune=True`'s rule since).
 
 Printed per rule and `n`: the mean over trials of the median and of the worst ratio over the
-budgets, and how often the worst exceeds 1.03 and the median 1.00 (the issue's targets).
+budgets, and how often the worst exceeds 1.03 and the median 1.00 (the issue's targets); and the
+rank correlation between two halves of the rounds, the ceiling for any cost model's (`ceiling`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import benchmarks.common  # noqa: F401  (sets the CPU flag before JAX)
 
 import argparse
 import functools
+import json
+import pathlib
 import random
 import statistics
 from collections.abc import Sequence
@@ -43,6 +47,7 @@ import smartremat
 from benchmarks.common import exact, strategy
 from benchmarks.mixed_plans import mixed
 from benchmarks.run import FIXED, MB, Timer, build, environment, time_all
+from benchmarks.time_model import spearman
 
 POLICIES = [None, "dots", "dots_nb", "full"]
 #: The signed-rank rule's level.
@@ -100,6 +105,8 @@ def candidates(name: str, n_budgets: int, n_random: int, seed: int):
     for b in budgets:
         wrapped = smartremat.smartremat(budget_mb=b / MB, **exact(case.model, case.x))(case.model)
         default.append(add(wrapped))
+    if case.where is None:
+        raise SystemExit(f"{name}: its own call is its one block; choose a model with blocks (tutorial, gpt, resnet)")
     rng = random.Random(seed)
     n = len(list(case.where(case.model)))
     for _ in range(n_random):
@@ -143,8 +150,25 @@ def simulate(timers, fixed, default, budgets, rules, ns, trials, seed) -> list[s
     return out
 
 
+def ceiling(timers: list[Timer], trials: int, seed: int) -> str:
+    """How well any cost model could rank these programs' times: Spearman's rank correlation
+    between their medians over two disjoint random halves of the rounds (what a second measurement
+    would rank), beside compiled FLOPs' against the medians of all rounds (issue 13's goal: 0.9)."""
+    rng = random.Random(seed)
+    rounds = len(timers[0].times)
+    rho = []
+    for _ in range(trials):
+        order = rng.sample(range(rounds), rounds)
+        halves = [[statistics.median([t.times[k] for k in h]) for t in timers]
+                  for h in (order[: rounds // 2], order[rounds // 2:])]
+        rho.append(spearman(*halves))
+    flops = spearman([t.flops for t in timers], [statistics.median(t.times) for t in timers])
+    return (f"Spearman between two halves of the rounds: mean {statistics.mean(rho):+.3f}, lowest "
+            f"{min(rho):+.3f} over {trials} splits; compiled FLOPs against all rounds {flops:+.3f}")
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["gpt", "resnet"])
     ap.add_argument("--rounds", type=int, default=70)
     ap.add_argument("--trials", type=int, default=400)
@@ -152,7 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--random", type=int, default=4)
     ap.add_argument("--n", type=int, nargs="+", default=[15, 25, 40])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="also write each program's temp bytes, FLOPs and round times here")
     args = ap.parse_args(argv)
+    dump: dict[str, list] = {}
     env = environment()
     print(f"jax {env['jax']} on {env['device']} ({env['machine']}); XLA_FLAGS={env['xla_flags']!r}")
     for name in args.models:
@@ -166,6 +192,10 @@ def main(argv: list[str] | None = None) -> None:
             tag = " ".join(filter(None, [names.get(i), at and f"default @ {at}"])) or "random"
             print(f"  {i:2d} {tag:40s} temp {t.temp / MB:8.2f} MB  {t.flops / 1e9:7.3f} GFLOP  "
                   f"median {statistics.median(t.times) * 1e3:7.1f} ms")
+        print(ceiling(timers, args.trials, args.seed))
+        if args.json:
+            dump[name] = [{"temp": t.temp, "flops": t.flops, "times": t.times} for t in timers]
+            pathlib.Path(args.json).write_text(json.dumps(dump))
         rules = ["default", "signed-rank", "lowest median"]
         print("\n".join(simulate(timers, fixed, default, budgets, rules, args.n, args.trials, args.seed)), flush=True)
 

@@ -87,11 +87,16 @@ def _stored_or_made(call: Callable, spec: CallSpec, module: Any, config: Config)
     stored = _disk.load(text)
     if stored is None:
         plan = make_plan(call, spec, module, config)
-        _disk.store(text, plan)
+        _disk.store(text if not untimed(config, plan) else None, plan)
         return plan
     plan = _disk.loaded(stored[0], time.perf_counter() - t0)
     _log(type(module).__name__, plan)
     return plan
+
+
+def untimed(config: Config, plan: Plan) -> bool:
+    """Whether `tune=True` could not time this plan's candidates (`_fastest`): not to be stored."""
+    return config.tune and not plan.timed
 
 
 def _option_of(profile: BlockProfile, option: Option) -> PolicyProfile:
@@ -342,12 +347,27 @@ def verified(model: MemoryModel, config: Config, measure: Callable, error: Calla
     return Solution(out.choice, peak_of(stages, out.choice), cost_of(stages, out.choice)), out
 
 
+#: The warning when `tune=True` cannot run its candidates.
+TUNE_FAILED = ("smartremat: `tune=True` could not time its candidate plans ({error}); the plan of the "
+               "fewest compiled FLOPs that fits is used, untimed, and not stored in the disk cache, so the next "
+               "process tries again. Timing holds a second copy of the step's inputs on the device: free memory "
+               "for it, or pass `tune=False` to plan without timing.")
+
+
 def _fastest(out: Outcome, points: list, uniforms: list, config: Config, measure: Callable,
              confirm: Callable | None, time_of: Callable, peak: Callable, progress: Callable[[str], None]) -> Outcome:
     """`tune=True`: the search's outcome with its choice replaced by the fastest fitting candidate
-    (`_tune.tuned`), the candidates it compiled and timed added."""
+    (`_tune.tuned`), the candidates it compiled and timed added. Where running them fails (out of
+    device memory: timing holds a second copy of the inputs), a warning says so and the search's
+    outcome stays, with no times (`Plan.timed` empty: such a plan is not stored on disk)."""
     compiled = _Compiled(measure, progress, confirm)
-    choice, timed = tuned(out, pool(points, uniforms, out.choice), config.budget_bytes, compiled, time_of, progress)
+    try:
+        choice, timed = tuned(out, pool(points, uniforms, out.choice), config.budget_bytes, compiled, time_of,
+                              progress)
+    except jax.errors.JaxRuntimeError as e:
+        warnings.warn(TUNE_FAILED.format(error=str(e).splitlines()[0] if str(e) else type(e).__name__),
+                      stacklevel=2)
+        return out
     checked = dict(zip(out.measured, out.checked))
     for c, (t, _) in compiled.figures.items():
         checked.setdefault(c, (int(peak(c)), t))

@@ -112,7 +112,7 @@ def plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], confi
         return Entry(_disk.loaded(plan, time.perf_counter() - t0), assignments,
                      frozenset(type(m) for _, m in roots), sig)
     entry = _plan_step(fun, sig, roots, calls, config, options)
-    _disk.store(text, entry.plan, entry.assignments)
+    _disk.store(text if not _planner.untimed(config, entry.plan) else None, entry.plan, entry.assignments)
     return entry
 
 

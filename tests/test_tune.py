@@ -171,3 +171,24 @@ def test_tune_with_a_saved_plan_is_refused(tmp_path):
     plan = smartremat.load_plan(str(tmp_path / "p.json"))
     with pytest.raises(ValueError, match=r"`smartremat\(tune=True, plan=...\)`: a saved plan runs as saved"):
         smartremat.smartremat(budget_mb=1.2, plan=plan, tune=True)
+
+
+def test_a_timing_failure_warns_keeps_the_untuned_plan_and_stores_nothing(monkeypatch, tmp_path):
+    """Out of device memory while timing (a second copy of the inputs): the fewest-FLOPs plan
+    that fits is used, a warning says why, and nothing goes to the disk cache (the next process
+    tries again)."""
+    smartremat.clear_caches()
+    monkeypatch.setenv("SMARTREMAT_DISK_CACHE", "1")
+    monkeypatch.setenv("SMARTREMAT_CACHE_DIR", str(tmp_path))
+    model, x = _stack()
+
+    def timings(steps, rounds=_tune.TUNE_ROUNDS):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9 bytes.")
+
+    monkeypatch.setattr(_planner, "timings", timings)
+    with pytest.warns(UserWarning, match=r"`tune=True` could not time .*RESOURCE_EXHAUSTED.*`tune=False`"):
+        plan = smartremat.explain(smartremat.smartremat(budget_mb=1.2, tune=True)(model), x)
+    assert plan.timed == () and not list(tmp_path.rglob("*.json"))
+    monkeypatch.setenv("SMARTREMAT_DISK_CACHE", "0")
+    default = smartremat.explain(smartremat.smartremat(budget_mb=1.2)(model), x)
+    assert (plan.compiled_peak_bytes, plan.compiled_flops) == (default.compiled_peak_bytes, default.compiled_flops)
