@@ -298,12 +298,17 @@ def figures_of(compiled: Any) -> StepFigures:
                        int(m.alias_size_in_bytes), int(m.generated_code_size_in_bytes))
 
 
-def step_figures(fun: Callable, sig: Signature, entry_of: tuple, donate: str) -> StepFigures:
-    """Figures of the compiled step, cached by step, signature, plan, donation, backend and flags."""
+def step_key(fun: Callable, sig: Signature, entry_of: tuple, donate: str) -> tuple:
+    """What a compiled step depends on: the step, its signature, the plan of each module call,
+    the donation, the backend and the flags (a key for `step_figures` and `tune=True`'s times)."""
     from ._verify import _assignment_key
 
-    key = (fun, sig.key(), tuple(_assignment_key(a) for a in entry_of[1]), donate, *environment_key())
-    return _FIGURES.get(key, lambda: figures_of(
+    return (fun, sig.key(), tuple(_assignment_key(a) for a in entry_of[1]), donate, *environment_key())
+
+
+def step_figures(fun: Callable, sig: Signature, entry_of: tuple, donate: str) -> StepFigures:
+    """Figures of the compiled step, cached by `step_key`."""
+    return _FIGURES.get(step_key(fun, sig, entry_of, donate), lambda: figures_of(
         compile_quietly(lower_step(fun, sig, entry_of, donate)[0], measuring_options())))
 
 

@@ -16,8 +16,7 @@ from . import _disk, _planner
 from ._plan import MB, Plan
 from ._solve import min_peak, solve
 from ._spec import shardings_hidden
-from ._cache import environment_key
-from ._step import Signature, StepFigures, compile_quietly, lower_step, record, step_figures
+from ._step import Signature, StepFigures, compile_quietly, lower_step, record, step_figures, step_key
 from ._tune import Timed, timings
 
 
@@ -159,10 +158,7 @@ def _plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], call
 def _timed_entry(fun: Callable, sig: Signature, entry_of: tuple, donate: str) -> Timed:
     """The whole step under `entry_of`, as `_tune.timings` times it: lowered and compiled as it
     runs, its donated arguments consumed by each call."""
-    from ._verify import _assignment_key
-
-    key = (fun, sig.key(), tuple(_assignment_key(a) for a in entry_of[1]), donate, *environment_key())
-    return Timed(key, lambda: compile_quietly(lower_step(fun, sig, entry_of, donate)[0]), sig.avals,
+    return Timed(step_key(fun, sig, entry_of, donate), lambda: compile_quietly(lower_step(fun, sig, entry_of, donate)[0]), sig.avals,
                  sig.donated(donate))
 
 

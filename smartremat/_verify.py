@@ -144,18 +144,18 @@ def compiled_one(call: Callable, spec: CallSpec, assignment: Assignment, loss: A
     XLA `options` (`_cache.measuring_options()` by default: the figures of the step that runs)."""
     key = (spec.key(), call, _assignment_key(assignment), loss, _options_key(options), *environment_key())
 
-    def make() -> tuple[int, float]:
-        f = spec.function(lambda m, *a, **k: run(m, call, assignment, a, k))
-        return compiled_temp(*loss_step(f, spec, loss), options)
+    return _CACHE.get(key, lambda: compiled_temp(*loss_step(_planned(call, spec, assignment), spec, loss), options))
 
-    return _CACHE.get(key, make)
+
+def _planned(call: Callable, spec: CallSpec, assignment: Assignment) -> Callable:
+    """The module's call as `spec` makes it, each block under its option in `assignment`."""
+    return spec.function(lambda m, *a, **k: run(m, call, assignment, a, k))
 
 
 def timed_step(call: Callable, spec: CallSpec, assignment: Assignment, loss: Any) -> Timed:
     """The training step under `assignment` and `loss`, as `_tune.timings` times it: compiled as
     it runs (no measuring options)."""
-    f = spec.function(lambda m, *a, **k: run(m, call, assignment, a, k))
-    step, avals = loss_step(f, spec, loss)
+    step, avals = loss_step(_planned(call, spec, assignment), spec, loss)
 
     def executable() -> Any:
         with mesh_context(avals):

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import smartremat
-from smartremat import MB, _planner, _tune
+from smartremat import MB, _planner, _step_plan, _tune
 from smartremat._search import Outcome, _Compiled
 
 from tests.helpers import backward, tree_allclose
@@ -192,3 +192,19 @@ def test_a_timing_failure_warns_keeps_the_untuned_plan_and_stores_nothing(monkey
     monkeypatch.setenv("SMARTREMAT_DISK_CACHE", "0")
     default = smartremat.explain(smartremat.smartremat(budget_mb=1.2)(model), x)
     assert (plan.compiled_peak_bytes, plan.compiled_flops) == (default.compiled_peak_bytes, default.compiled_flops)
+
+
+def test_filter_jit_after_a_timing_failure_warns_and_stores_nothing(monkeypatch, tmp_path):
+    smartremat.clear_caches()
+    monkeypatch.setenv("SMARTREMAT_DISK_CACHE", "1")
+    monkeypatch.setenv("SMARTREMAT_CACHE_DIR", str(tmp_path))
+    model, x = _stack()
+    opt_state = OPT.init(eqx.filter(model, eqx.is_array))
+
+    def timings(steps, rounds=_tune.TUNE_ROUNDS):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9 bytes.")
+
+    monkeypatch.setattr(_step_plan, "timings", timings)
+    with pytest.warns(UserWarning, match=r"`tune=True` could not time .*RESOURCE_EXHAUSTED"):
+        plan = smartremat.filter_jit(_step, budget_mb=1.5, tune=True).plan(model, opt_state, x, jnp.tanh(x))
+    assert plan.timed == () and plan.compiled_peak_bytes <= 1.5 * MB and not list(tmp_path.rglob("*.json"))
