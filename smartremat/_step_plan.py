@@ -158,8 +158,8 @@ def _plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], call
 def _timed_entry(fun: Callable, sig: Signature, entry_of: tuple, donate: str) -> Timed:
     """The whole step under `entry_of`, as `_tune.timings` times it: lowered and compiled as it
     runs, its donated arguments consumed by each call."""
-    return Timed(step_key(fun, sig, entry_of, donate), lambda: compile_quietly(lower_step(fun, sig, entry_of, donate)[0]), sig.avals,
-                 sig.donated(donate))
+    build = lambda: compile_quietly(lower_step(fun, sig, entry_of, donate)[0])  # noqa: E731
+    return Timed(step_key(fun, sig, entry_of, donate), build, sig.avals, sig.donated(donate))
 
 
 def with_tail(model: _planner.MemoryModel, temp: int) -> _planner.MemoryModel:

@@ -9,8 +9,9 @@ shapes, in interleaved rounds, and the one of the lowest median time wins (ties:
 choice). Two compiles of one program differ by no more than two halves of one compile's rounds
 (docs/facts.md, fact 18): the noise is in the sampling, not a per-compile offset, and a switch on
 it costs what it is within. Picking the lowest median beat keeping the search's choice unless a
-signed-rank test said another was faster, in 300 simulated tunings on each of the quick GPT and
-ResNet (fact 19, `benchmarks/tune_rules.py`): a missed switch to a plan 5-10% faster cost more.
+signed-rank test said another was faster, in 300 simulated tunings per run on the quick tutorial
+stack, GPT and ResNet (fact 19, `benchmarks/tune_rules.py`): a missed switch to a plan 3-11% faster
+cost more.
 
 The times of a set of candidates are kept in this process (keyed by each one's step, signature,
 plan, backend and flags), and a tuned plan is stored in the disk plan cache like any plan: the same
@@ -148,6 +149,6 @@ def tuned(outcome: Outcome, candidates: Sequence[Choice], budget: int, compiled:
         compiled.figures[outcome.choice] = outcome.compiled
     progress(f"timing {len(fits)} fitting candidate plan(s) ({TUNE_ROUNDS} rounds)")
     medians = [statistics.median(r) for r in time_of(fits)]
-    best = min(range(len(fits)), key=lambda i: (medians[i], i != fits.index(outcome.choice), i))
+    best = min(range(len(fits)), key=lambda i: (medians[i], i))  # fits[0] is the search's choice
     timed = tuple((*compiled.figures[c], m) for c, m in zip(fits, medians))
     return fits[best], timed
