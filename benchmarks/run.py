@@ -38,6 +38,7 @@ import numpy as np
 
 import smartremat
 from benchmarks import models as M
+from smartremat._tune import round_orders
 
 MB = smartremat.MB
 FIXED = ["none", "full", "dots", "dots_nb", "alternate", "sqrt"]
@@ -113,11 +114,12 @@ class Timer:
 
 def time_all(timers: list[Timer], repeat: int) -> None:
     """`repeat` rounds, each running every step once: drift (allocator state, heat, other
-    load) then falls on every strategy alike instead of on whichever ran last. Each round starts
-    one step later, so that no step always runs right after the same one."""
-    for k in range(repeat):
-        for i in range(len(timers)):
-            timers[(i + k) % len(timers)].once()
+    load) then falls on every strategy alike instead of on whichever ran last. Each round runs
+    in a fresh order, as `tune=True` times (`smartremat._tune.round_orders`): no step always runs
+    right after the same one (after the step without remat, a step runs up to a quarter slower)."""
+    for order in round_orders(len(timers), repeat):
+        for i in order:
+            timers[i].once()
 
 
 def rel_diff(got: list, want: list) -> float:

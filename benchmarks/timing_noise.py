@@ -6,7 +6,7 @@ time like real ones (issue 13: the noise a timed choice has to beat).
 For each model the quick benchmark's no-remat training step (`benchmarks.common.compile_step`) is
 compiled `--compiles` times; each compile runs on the benchmark's real inputs and on
 `smartremat._tune.synthetic` inputs of the same shapes (what `tune=True` times). All of them are
-warmed up twice and timed in `--rounds` interleaved rounds, each round's order rotated by one. Printed: each one's median and minimum,
+warmed up twice and timed in `--rounds` interleaved rounds, each round in a fresh order (`smartremat._tune.round_orders`; runs before it was rotated by one). Printed: each one's median and minimum,
 the spread of the medians (and of the minima) between compiles, as (max - min) / min, and the
 median ratio synthetic / real.
 """
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.run import build, environment
-from smartremat._tune import synthetic
+from smartremat._tune import round_orders, synthetic
 
 
 def _inputs(params, x) -> tuple:
@@ -50,9 +50,9 @@ def measure(name: str, compiles: int, rounds: int, copies: bool = False) -> list
         jax.block_until_ready(step(p, x))
     times: dict[str, list[float]] = {k: [] for k in runs}
     names = list(runs)
-    for r in range(rounds):  # each round starts one later, as `tune=True` and benchmarks/run.py time
-        for i in range(len(names)):
-            k = names[(i + r) % len(names)]
+    for order in round_orders(len(names), rounds):  # each round in a fresh order, as `tune=True` times
+        for i in order:
+            k = names[i]
             step, p, x = runs[k]
             t0 = time.perf_counter()
             jax.block_until_ready(step(p, x))

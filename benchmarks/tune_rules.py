@@ -7,8 +7,8 @@
 For each model, the candidates are the fixed strategies of `benchmarks/run.py`, smartremat's default
 (fewest compiled FLOPs) plan at each of the quick benchmark's budgets, and `--random` mixed plans
 (a random policy per block). Each distinct program (`common.program_text`) is compiled once as the
-benchmark's training step and timed in `--rounds` interleaved rounds, each round's order rotated by
-one. Then, `--trials` times, `n` of the rounds are drawn at random: a rule sees only those (what
+benchmark's training step and timed in `--rounds` interleaved rounds, each round in a fresh order
+(`smartremat._tune.round_orders`; the runs in docs/results were rotated by one). Then, `--trials` times, `n` of the rounds are drawn at random: a rule sees only those (what
 `tune=True` would have measured) and picks one of the candidates that fit the budget (compiled
 temp bytes <= budget); the rounds it did not see judge its pick, as the benchmark does: its median
 time over the fastest fitting fixed strategy's. Rules:

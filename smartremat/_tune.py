@@ -20,6 +20,7 @@ machine plans the same step the same way again without timing it.
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -38,6 +39,8 @@ TUNE_FRONTIER = 3
 #: Interleaved timing rounds per candidate (after two warm-up runs each); the median counts. In
 #: simulated tunings (docs/facts.md, fact 19), 40 rounds chose no better than 25, and 15 a little worse.
 TUNE_ROUNDS = 25
+#: The seed of `round_orders`.
+ORDER_SEED = 0
 #: Synthetic floating inputs are uniform in `[-SCALE, SCALE]`: small enough that a deep stack of
 #: them neither overflows nor reaches denormals, which would time other arithmetic.
 SCALE = 0.05
@@ -84,8 +87,8 @@ def _placed(x: jax.Array, sharding: Any) -> jax.Array:
 
 def timings(steps: Sequence[Timed], rounds: int = TUNE_ROUNDS) -> list[tuple[float, ...]]:
     """Seconds per call of each step in each of `rounds` interleaved rounds (after two warm-up
-    calls each), so that drift falls on all alike and rounds pair up; each round's order is
-    rotated by one, so that no step always runs right after the same one (docs/facts.md, fact 18).
+    calls each), so that drift falls on all alike and rounds pair up; each round in a fresh order
+    (`round_orders`), so that no step always runs right after the same one (docs/facts.md, fact 18).
     The steps are compiled in parallel and share one set of synthetic inputs per signature. Kept
     per set of steps: the same candidates are timed once per process."""
     return list(_TIMES.get((tuple(s.key for s in steps), rounds), lambda: _time_steps(steps, rounds)))
@@ -102,11 +105,19 @@ def _time_steps(steps: Sequence[Timed], rounds: int) -> tuple[tuple[float, ...],
         r.once()
         r.once()
     times: list[list[float]] = [[] for _ in runs]
-    for k in range(rounds):  # each round starts one step later: no step always runs after the same one
-        for i in range(len(runs)):
-            j = (i + k) % len(runs)
+    for order in round_orders(len(runs), rounds):
+        for j in order:
             times[j].append(runs[j].once())
     return tuple(tuple(t) for t in times)
+
+
+def round_orders(n: int, rounds: int, seed: int = ORDER_SEED) -> list[list[int]]:
+    """The order of `n` steps in each of `rounds` interleaved rounds: shuffled afresh each round
+    (seeded: every process times alike). A step run right after a memory-hungry one (the step
+    without remat) is slowed by up to a quarter on this CPU (docs/facts.md, fact 18), and an order
+    only rotated from round to round keeps each step's predecessor: one step always paid for it."""
+    rng = random.Random(seed)
+    return [rng.sample(range(n), n) for _ in range(rounds)]
 
 
 def _signature(avals: Sequence[jax.ShapeDtypeStruct]) -> tuple:

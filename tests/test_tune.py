@@ -208,3 +208,13 @@ def test_filter_jit_after_a_timing_failure_warns_and_stores_nothing(monkeypatch,
     with pytest.warns(UserWarning, match=r"`tune=True` could not time .*RESOURCE_EXHAUSTED"):
         plan = smartremat.filter_jit(_step, budget_mb=1.5, tune=True).plan(model, opt_state, x, jnp.tanh(x))
     assert plan.timed == () and plan.compiled_peak_bytes <= 1.5 * MB and not list(tmp_path.rglob("*.json"))
+
+
+def test_rounds_are_shuffled_afresh_so_no_step_keeps_its_predecessor():
+    """A step run right after a memory-hungry one runs slower (docs/facts.md, fact 18): an order
+    only rotated from round to round gives step 1 step 0 as predecessor in 3 rounds of 4."""
+    orders = _tune.round_orders(4, 40)
+    assert all(sorted(o) == [0, 1, 2, 3] for o in orders) and orders == _tune.round_orders(4, 40)
+    sequence = [i for o in orders for i in o]
+    before_1 = [a for a, b in zip(sequence, sequence[1:]) if b == 1]
+    assert max(before_1.count(j) for j in range(4)) <= len(before_1) / 2
