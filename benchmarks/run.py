@@ -25,6 +25,7 @@ from benchmarks.common import compile_step, exact, strategy  # sets the CPU flag
 
 import argparse
 import json
+import math
 import pathlib
 import platform
 import statistics
@@ -102,21 +103,39 @@ class Timer:
         jax.block_until_ready(self.step(self.params, x))
         self.times: list[float] = []
 
-    def once(self) -> None:
+    def run(self) -> float:
+        """Seconds of one call, not recorded."""
         t0 = time.perf_counter()
         jax.block_until_ready(self.step(self.params, self.x))
-        self.times.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    def once(self) -> None:
+        self.times.append(self.run())
 
     @property
     def median(self) -> float:
         return statistics.median(self.times)
 
 
+#: Short steps get more rounds than `--repeat`: as many as take about `SECONDS` per program, up to
+#: `MAX_REPEAT`. A median of 20 rounds of 20 ms steps is noisy (the lone tutorial block's two
+#: compiles of one program differed by 3.4% in docs/benchmarks.md at 54cd647).
+SECONDS = 4.0
+MAX_REPEAT = 400
+
+
+def repeat_for(timers: list[Timer], repeat: int) -> int:
+    """`repeat` rounds, or more where the steps are short: about `SECONDS` per program, sized on
+    one untimed call of each (the median), at most `MAX_REPEAT`."""
+    step = statistics.median(t.run() for t in timers)
+    return max(repeat, min(MAX_REPEAT, math.ceil(SECONDS / max(step, 1e-9))))
+
+
 def time_all(timers: list[Timer], repeat: int) -> None:
     """`repeat` rounds, each running every step once: drift (allocator state, heat, other
     load) then falls on every strategy alike instead of on whichever ran last. Each round runs
     in a fresh order, as `tune=True` times (`smartremat._tune.round_orders`): no step always runs
-    right after the same one (after the step without remat, a step runs up to a quarter slower)."""
+    right after the same one (after the step without remat, a step usually runs slower, by up to 23%)."""
     for order in round_orders(len(timers), repeat):
         for i in order:
             timers[i].once()
@@ -202,7 +221,7 @@ def headlines(fixed: dict, smart: list, half_mb: float, none_again_s: float) -> 
 
 def show(case: Case, result: dict) -> str:
     fixed = result["fixed"]
-    lines = [f"\n== {case.name}: {case.label} ==",
+    lines = [f"\n== {case.name}: {case.label} ({result.get('rounds', '?')} interleaved rounds) ==",
              f"{'strategy':>10} {'temp MB':>10} {'GFLOP':>9} {'step ms':>9} {'grad rel diff':>14}"]
     for name, f in fixed.items():
         lines.append(f"{name:>10} {f['temp_mb']:10.2f} {f['gflops']:9.3f} {f['step_s'] * 1e3:9.1f} {f['grad_rel_diff']:14.2e}")
@@ -322,12 +341,14 @@ def run_model(case: Case, names: list[str], n_budgets: int, repeat: int, out: pa
     progress.total = len(fixed) + len(tunes) * len(budgets) + 1
     smart = {tune: measure_smart(case, [b * MB for b in budgets], fixed_timers["none"].grads, progress, tune,
                                  programs, names_of) for tune in tunes}
-    time_all(list(programs.values()) + [again], repeat)
+    timers = list(programs.values()) + [again]
+    repeat = repeat_for(timers, repeat)
+    time_all(timers, repeat)
     progress.step(f"{case.name}: timed {len(programs) + 1} distinct programs x {repeat} rounds")
     progress.close()
     for name, f in fixed.items():
         f["step_s"] = fixed_timers[name].median
-    result = {"model": case.name, "label": case.label, "fixed": fixed, "env": environment()}
+    result = {"model": case.name, "label": case.label, "fixed": fixed, "env": environment(), "rounds": repeat}
     for tune, rows in smart.items():
         for r in rows:
             r["step_s"] = programs[r.pop("_program")].median

@@ -5,13 +5,16 @@ the slowest plan of the quick GPT and ResNet, memory traffic costing more than t
 With `tune=True` the search's choice (the fewest compiled FLOPs that fit) is timed beside every
 uniform plan and up to `TUNE_FRONTIER` frontier points of lower predicted peak, each compiled as
 the step that runs; those whose compiled temp bytes fit are run on synthetic inputs of the step's
-shapes, in interleaved rounds, and the one of the lowest median time wins (ties: the search's
-choice). Two compiles of one program differ by no more than two halves of one compile's rounds
-(docs/facts.md, fact 18): the noise is in the sampling, not a per-compile offset, and a switch on
-it costs what it is within. Picking the lowest median beat keeping the search's choice unless a
-signed-rank test said another was faster, in 300 simulated tunings per run on the quick tutorial
-stack, GPT and ResNet (fact 19, `benchmarks/tune_rules.py`): a missed switch to a plan 3-11% faster
-cost more.
+shapes, in interleaved rounds (more for short steps: `rounds_for`), and the one of the lowest
+median time wins (ties: the search's choice). Two compiles of one program differ by no more than
+two halves of one compile's rounds (docs/facts.md, fact 18): the noise is in the sampling, not a
+per-compile offset, and a switch on it costs what it is within. The rule was chosen on simulated
+tunings over measured rounds (fact 19, `benchmarks/tune_rules.py`; two runs, one with rotated and
+one with shuffled rounds): on the quick GPT and ResNet the lowest median missed fewer switches to
+plans 3-11% faster than keeping the search's choice unless a signed-rank test said another was
+faster, and no other statistic (mean, lower quartile, minimum, a per-round paired ratio) did better
+in both runs. Where the candidates differ by less than the noise, any rule that times picks worse
+than the search's choice (the tutorial stack in the shuffled run).
 
 The times of a set of candidates are kept in this process (keyed by each one's step, signature,
 plan, backend and flags), and a tuned plan is stored in the disk plan cache like any plan: the same
@@ -20,6 +23,7 @@ machine plans the same step the same way again without timing it.
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -36,9 +40,14 @@ from ._search import Choice, Outcome, _Compiled, spread
 
 #: Frontier points of lower predicted peak than the search's choice that are timed beside it.
 TUNE_FRONTIER = 3
-#: Interleaved timing rounds per candidate (after two warm-up runs each); the median counts. In
-#: simulated tunings (docs/facts.md, fact 19), 40 rounds chose no better than 25, and 15 a little worse.
+#: Interleaved timing rounds per candidate at least (after two warm-up runs each); the median counts.
 TUNE_ROUNDS = 25
+#: Shorter steps get more rounds: as many as take about `TUNE_SECONDS` per candidate, up to
+#: `TUNE_MAX_ROUNDS` (`rounds_for`). In simulated tunings of the lone tutorial block (20 ms steps,
+#: docs/facts.md, fact 19) the lowest median of 25 rounds picked a plan judged over 3% slower than
+#: the fastest in 38% of trials, of 100 rounds in 6%.
+TUNE_SECONDS = 2.0
+TUNE_MAX_ROUNDS = 200
 #: The seed of `round_orders`.
 ORDER_SEED = 0
 #: Synthetic floating inputs are uniform in `[-SCALE, SCALE]`: small enough that a deep stack of
@@ -85,25 +94,31 @@ def _placed(x: jax.Array, sharding: Any) -> jax.Array:
         return x
 
 
-def timings(steps: Sequence[Timed], rounds: int = TUNE_ROUNDS) -> list[tuple[float, ...]]:
+def timings(steps: Sequence[Timed], rounds: int | None = None) -> list[tuple[float, ...]]:
     """Seconds per call of each step in each of `rounds` interleaved rounds (after two warm-up
-    calls each), so that drift falls on all alike and rounds pair up; each round in a fresh order
-    (`round_orders`), so that no step always runs right after the same one (docs/facts.md, fact 18).
-    The steps are compiled in parallel and share one set of synthetic inputs per signature. Kept
-    per set of steps: the same candidates are timed once per process."""
+    calls each; by default `rounds_for` the warm steps' median time), so that drift falls on all
+    alike and rounds pair up; each round in a fresh order (`round_orders`), so that no step always
+    runs right after the same one (docs/facts.md, fact 18). The steps are compiled in parallel and
+    share one set of synthetic inputs per signature. Kept per set of steps: the same candidates are
+    timed once per process."""
     return list(_TIMES.get((tuple(s.key for s in steps), rounds), lambda: _time_steps(steps, rounds)))
 
 
-def _time_steps(steps: Sequence[Timed], rounds: int) -> tuple[tuple[float, ...], ...]:
+def rounds_for(seconds: float) -> int:
+    """Timing rounds for steps of about `seconds` each: enough for `TUNE_SECONDS` per candidate,
+    no fewer than `TUNE_ROUNDS` and no more than `TUNE_MAX_ROUNDS`."""
+    return max(TUNE_ROUNDS, min(TUNE_MAX_ROUNDS, math.ceil(TUNE_SECONDS / max(seconds, 1e-9))))
+
+
+def _time_steps(steps: Sequence[Timed], rounds: int | None) -> tuple[tuple[float, ...], ...]:
     with ThreadPoolExecutor(max(1, min(len(steps), 2))) as pool:
         executables = list(pool.map(lambda s: s.build(), steps))
     inputs: dict[tuple, tuple] = {}  # one set of synthetic inputs per signature: candidates share it
     for s in steps:
         inputs.setdefault(_signature(s.avals), synthetic(s.avals))
     runs = [_Run(e, inputs[_signature(s.avals)], s.donated) for e, s in zip(executables, steps)]
-    for r in runs:  # warm-up
-        r.once()
-        r.once()
+    warm = [[r.once(), r.once()][1] for r in runs]  # warm-up
+    rounds = rounds_for(statistics.median(warm)) if rounds is None else rounds
     times: list[list[float]] = [[] for _ in runs]
     for order in round_orders(len(runs), rounds):
         for j in order:
@@ -114,7 +129,7 @@ def _time_steps(steps: Sequence[Timed], rounds: int) -> tuple[tuple[float, ...],
 def round_orders(n: int, rounds: int, seed: int = ORDER_SEED) -> list[list[int]]:
     """The order of `n` steps in each of `rounds` interleaved rounds: shuffled afresh each round
     (seeded: every process times alike). A step run right after a memory-hungry one (the step
-    without remat) is slowed by up to a quarter on this CPU (docs/facts.md, fact 18), and an order
+    without remat) is usually slowed, by up to 23% on this CPU (docs/facts.md, fact 18), and an order
     only rotated from round to round keeps each step's predecessor: one step always paid for it."""
     rng = random.Random(seed)
     return [rng.sample(range(n), n) for _ in range(rounds)]
@@ -158,7 +173,8 @@ def tuned(outcome: Outcome, candidates: Sequence[Choice], budget: int, compiled:
     if outcome.choice not in fits:  # the search's choice fits by construction
         fits.insert(0, outcome.choice)
         compiled.figures[outcome.choice] = outcome.compiled
-    progress(f"timing {len(fits)} fitting candidate plan(s) ({TUNE_ROUNDS} rounds)")
+    progress(f"timing {len(fits)} fitting candidate plan(s) ({TUNE_ROUNDS}-{TUNE_MAX_ROUNDS} rounds, "
+             f"about {TUNE_SECONDS:g} s each)")
     medians = [statistics.median(r) for r in time_of(fits)]
     best = min(range(len(fits)), key=lambda i: (medians[i], i))  # fits[0] is the search's choice
     timed = tuple((*compiled.figures[c], m) for c, m in zip(fits, medians))

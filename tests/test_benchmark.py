@@ -79,3 +79,45 @@ def test_tune_rules_signed_rank_rule_is_a_one_sided_test_at_five_percent(a, b, w
     from benchmarks.tune_rules import faster
 
     assert faster(a, b) is want
+
+
+@pytest.mark.parametrize("rule, want", [
+    ("default", 0),
+    ("lowest median", 1),  # median 4 < 5 < 6
+    ("lowest mean", 2),  # 1's one slow round (50) lifts its mean above 2's
+    ("lowest min", 0),  # 0's fastest round (2) is the fastest of those that fit
+    ("lowest q25", 1),
+])
+def test_tune_rules_each_rule_picks_by_its_statistic_among_those_that_fit(rule, want):
+    from benchmarks.tune_rules import choose
+
+    times = [[2.0, 6.0, 6.0, 6.0, 6.0], [3.5, 4.0, 4.0, 4.0, 50.0], [5.0, 5.0, 5.0, 5.0, 5.0], [0.1] * 5]
+    assert choose(rule, times, fits=[0, 1, 2], incumbent=0) == want  # 3 is fastest but does not fit
+
+
+def test_tune_rules_replays_recorded_rounds_without_timing(tmp_path, capsys):
+    from benchmarks.tune_rules import main
+
+    programs = [{"temp": t, "flops": 1.0, "times": [s + 0.01 * (k % 3) for k in range(12)]}
+                for t, s in [(4, 1.0), (2, 2.0), (3, 1.5)]]
+    run = {"programs": programs, "fixed": {"none": 0, "full": 1}, "default": [0, 1, 2], "budgets": [4, 2, 3]}
+    (tmp_path / "r.json").write_text(json.dumps({"toy": run}))
+    main(["--load", str(tmp_path / "r.json"), "--models", "toy", "--trials", "5", "--n", "6",
+          "--rules", "default", "lowest median"])
+    out = capsys.readouterr().out
+    assert "toy" in out and "Spearman between two halves" in out
+    # the default at budget 3 is program 2 (1.5) while the fixed fitting there are 1 (2.0): ratio 0.75
+    assert "n=  6 default        median ratio 1.000" in out
+    assert "n=  6 lowest median  median ratio 1.000" in out and "worst 1.000" in out
+
+
+@pytest.mark.parametrize("step, repeat, want", [(1.0, 20, 20), (1 / 64, 20, 256), (1 / 64, 300, 300), (1e-6, 20, 400)])
+def test_benchmark_times_short_steps_in_more_rounds(step, repeat, want):
+    from benchmarks import run
+
+    class Fake:
+        def run(self):
+            return step
+
+    assert run.SECONDS == 4.0 and run.MAX_REPEAT == 400  # about 4 s per program, at most 400 rounds
+    assert run.repeat_for([Fake(), Fake()], repeat) == want

@@ -123,7 +123,8 @@ def test_each_candidate_is_timed_once_per_process(monkeypatch):
     monkeypatch.setattr(_tune._Run, "once", lambda self: runs.append(self) or once(self))
     first = smartremat.explain(smartremat.smartremat(budget_mb=1.2, tune=True)(model), x)
     n = len(runs)
-    assert n == len(first.timed) * (_tune.TUNE_ROUNDS + 2)
+    rounds, rest = divmod(n, len(first.timed))  # every candidate alike: two warm-ups and its rounds
+    assert rest == 0 and _tune.TUNE_ROUNDS <= rounds - 2 <= _tune.TUNE_MAX_ROUNDS
     _planner._PLANS.clear()  # plan again: the candidates' times are known
     again = smartremat.explain(smartremat.smartremat(budget_mb=1.2, tune=True)(model), x)
     assert len(runs) == n and again.timed == first.timed
@@ -218,3 +219,22 @@ def test_rounds_are_shuffled_afresh_so_no_step_keeps_its_predecessor():
     sequence = [i for o in orders for i in o]
     before_1 = [a for a, b in zip(sequence, sequence[1:]) if b == 1]
     assert max(before_1.count(j) for j in range(4)) <= len(before_1) / 2
+
+
+@pytest.mark.parametrize("seconds, want", [
+    (_tune.TUNE_SECONDS, _tune.TUNE_ROUNDS),  # long steps: the floor
+    (_tune.TUNE_SECONDS / 64, 64),  # about TUNE_SECONDS per candidate
+    (_tune.TUNE_SECONDS / 10_000, _tune.TUNE_MAX_ROUNDS),  # very short steps: the cap
+    (0.0, _tune.TUNE_MAX_ROUNDS),
+])
+def test_shorter_steps_get_more_rounds_between_a_floor_and_a_cap(seconds, want):
+    assert _tune.rounds_for(seconds) == want
+
+
+def test_the_rounds_follow_the_warm_steps_median_time(monkeypatch):
+    """Steps of `TUNE_SECONDS / 64` each after warm-up are timed in 64 rounds, every one alike."""
+    monkeypatch.setattr(_tune._Run, "once", lambda self: _tune.TUNE_SECONDS / 64)
+    aval = jax.ShapeDtypeStruct((2,), jnp.float32)
+    steps = [_tune.Timed(("rounds follow the warm time", i), lambda: None, (aval,)) for i in range(3)]
+    assert [len(t) for t in _tune.timings(steps)] == [64, 64, 64]
+    assert [len(t) for t in _tune.timings(steps, rounds=7)] == [7, 7, 7]  # asked for: as many
