@@ -371,7 +371,8 @@ def _fastest(out: Outcome, points: list, uniforms: list, config: Config, measure
     checked = dict(zip(out.measured, out.checked))
     for c, (t, _) in compiled.figures.items():
         checked.setdefault(c, (int(peak(c)), t))
-    return Outcome(choice, compiled.figures[choice], tuple(checked), out.confirmed + len(compiled.confirmed),
+    return Outcome(choice, compiled.figures[choice], tuple(checked),
+                   tuple(dict.fromkeys([*out.confirmed, *compiled.confirmed])),  # each once: the choice is in both
                    tuple(checked.values()), timed)
 
 
@@ -450,7 +451,7 @@ def assemble(model: MemoryModel, config: Config, sol: Solution, lowest: Solution
         compiled_flops=None if compiled is None else float(compiled[1]),
         fixed_bytes=fixed,
         planning_seconds=seconds,
-        compiles=0 if outcome is None else len(outcome.measured) + outcome.confirmed * (len(config.losses) - 1),
+        compiles=0 if outcome is None else len(outcome.measured) + len(outcome.confirmed) * (len(config.losses) - 1),
         checked=() if outcome is None else outcome.checked,
         timed=() if outcome is None else outcome.timed,
         backend=jax.default_backend(),

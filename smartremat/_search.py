@@ -74,14 +74,14 @@ Choice = tuple[int, ...]
 @dataclass(frozen=True)
 class Outcome:
     """What the search found: the chosen candidate, its compiled `(temp, flops)`, the candidates
-    it compiled (under the first loss), how many of them it also compiled under every loss,
+    it compiled (under the first loss), those of them it also compiled under every loss,
     each compiled candidate's predicted peak beside its compiled temp bytes, and (with
     `tune=True`, `_tune.tuned`) the candidates timed."""
 
     choice: Choice
     compiled: tuple[int, float]
     measured: tuple[Choice, ...]
-    confirmed: int = 0
+    confirmed: tuple[Choice, ...] = ()  # the candidates also compiled under every loss
     checked: tuple[tuple[int, int], ...] = ()  # (predicted peak, compiled temp) per candidate compiled
     timed: tuple[tuple[int, float, float], ...] = ()  # with tune=True: (temp, flops, seconds) per candidate timed
 
@@ -184,7 +184,7 @@ def search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimate
             continue
         if compiled.exact(best) <= budget:
             checked = tuple((int(model.peak(c)), t) for c, (t, _) in compiled.figures.items())
-            return Outcome(best, compiled.figures[best], tuple(compiled.figures), len(compiled.confirmed), checked)
+            return Outcome(best, compiled.figures[best], tuple(compiled.figures), tuple(compiled.confirmed), checked)
 
 
 def _best(compiled: _Compiled, budget: int, rank: Callable[[Choice, float], float]) -> Choice | None:

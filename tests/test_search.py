@@ -78,7 +78,7 @@ def test_with_several_losses_the_largest_temp_decides_and_is_compiled_only_where
     out, asked, table = _run(temps, [t * ratio for t in temps], [t for t, _ in uniforms], budget, exact=exact)
     assert out.compiled[0] == exact[out.choice] <= budget
     assert out.choice == _exhaustive(table, budget)
-    assert out.confirmed <= len(asked)
+    assert set(out.confirmed) <= set(asked)
 
 
 @settings(max_examples=300, deadline=None)
@@ -109,7 +109,7 @@ def test_a_plan_that_fits_the_first_loss_only_is_refuted():
     temps = list(range(10, 170, 10))
     exact = {(i,): t + (30 if i == 8 else 0) for i, t in enumerate(temps)} | {(100,): 10, (101,): 160}
     out, asked, _ = _run(temps, temps, [10, 160], budget=95, uniform_flops=1e3, exact=exact)
-    assert out.choice == (7,) and out.compiled[0] == 80 and out.confirmed == 2
+    assert out.choice == (7,) and out.compiled[0] == 80 and len(out.confirmed) == 2
 
 
 def test_an_accurate_model_needs_one_compile():

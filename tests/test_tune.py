@@ -238,3 +238,25 @@ def test_the_rounds_follow_the_warm_steps_median_time(monkeypatch):
     steps = [_tune.Timed(("rounds follow the warm time", i), lambda: None, (aval,)) for i in range(3)]
     assert [len(t) for t in _tune.timings(steps)] == [64, 64, 64]
     assert [len(t) for t in _tune.timings(steps, rounds=7)] == [7, 7, 7]  # asked for: as many
+
+
+def test_plan_compiles_counts_each_candidate_once_when_tune_re_confirms_the_choice(monkeypatch):
+    """Without `loss=`, the search confirms its choice under every loss, and `tune=True` asks for
+    it again: `Plan.compiles` counts distinct whole-step compiles, not requests."""
+    from smartremat import _verify
+
+    smartremat.clear_caches()
+    model, x = _stack()
+    asked = set()
+    compiled_step = _planner.compiled_step
+
+    def counting(call, spec, assignment, losses=_verify.DEFAULT_LOSSES):
+        asked.add((_verify._assignment_key(assignment), len(losses)))
+        return compiled_step(call, spec, assignment, losses)
+
+    monkeypatch.setattr(_planner, "compiled_step", counting)
+    plan = smartremat.explain(smartremat.smartremat(budget_mb=1.2, tune=True)(model), x)
+    n_losses = len(_verify.DEFAULT_LOSSES)
+    confirmed = {k for k, n in asked if n == n_losses}
+    assert n_losses > 1 and confirmed and plan.timed
+    assert plan.compiles == len({k for k, _ in asked}) + (n_losses - 1) * len(confirmed)
