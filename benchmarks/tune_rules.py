@@ -2,7 +2,7 @@
 (issue 13: measured, not guessed.)
 
     python benchmarks/tune_rules.py [--models gpt resnet] [--rounds 70] [--trials 400] [--random 4]
-                                    [--n 15 25 40] [--json PATH]
+                                    [--n 15 25 40] [--json PATH] [--load PATH] [--rules ...]
 
 For each model, the candidates are the fixed strategies of `benchmarks/run.py`, smartremat's default
 (fewest compiled FLOPs) plan at each of the quick benchmark's budgets, and `--random` mixed plans
@@ -161,6 +161,9 @@ def simulate(timers, fixed, default, budgets, rules, ns, trials, seed) -> list[s
     judge's own noise is alike and `n`s compare."""
     rng = random.Random(seed)
     rounds = len(timers[0].times)
+    if max(ns) >= rounds:
+        raise ValueError(f"`--n {max(ns)}` leaves none of the {rounds} rounds to judge the picks: pass `--n` "
+                         f"values below {rounds} (at most half of them leaves as many rounds to judge as to see)")
     out = []
     for n in ns:
         stats = {r: ([], []) for r in rules}

@@ -251,10 +251,10 @@ def smartremat(
     - `tune`: also time candidates and keep the fastest. The plan of the fewest compiled FLOPs
       that fits, every uniform plan and up to three frontier plans of lower peak are compiled as
       the verified step (under the first loss) runs; those that fit are run on synthetic inputs
-      of its shapes (interleaved rounds: 25, or about 2 s per candidate for short steps), and the one of the lowest median time is chosen
-      (docs/facts.md, facts 18 and 19: timing noise is sampling noise, and a missed switch costs
-      more than a switch on noise). FLOPs do not order
-      step times (on a CPU, memory traffic can cost more than recompute), so this can be faster;
+      of its shapes (interleaved rounds: 25, or about 2 s per candidate for short steps), and
+      the one of the lowest median time is chosen (docs/facts.md, facts 18 and 19: timing noise
+      is sampling noise, and a missed switch costs more than a switch on noise). FLOPs do not
+      order step times (on a CPU, memory traffic can cost more than recompute), so this can be faster;
       it costs a few seconds of compiling and running per plan, once per signature (plans are
       cached on disk), and device memory for a second copy of the step's inputs beside the
       step's own. `Plan.timed` and `smartremat.explain` show the times.

@@ -109,6 +109,8 @@ def test_tune_rules_replays_recorded_rounds_without_timing(tmp_path, capsys):
     # the default at budget 3 is program 2 (1.5) while the fixed fitting there are 1 (2.0): ratio 0.75
     assert "n=  6 default        median ratio 1.000" in out
     assert "n=  6 lowest median  median ratio 1.000" in out and "worst 1.000" in out
+    with pytest.raises(ValueError, match=r"`--n 12` leaves none of the 12 rounds to judge .* below 12"):
+        main(["--load", str(tmp_path / "r.json"), "--models", "toy", "--trials", "5", "--n", "12"])
 
 
 @pytest.mark.parametrize("step, repeat, want", [(1.0, 20, 20), (1 / 64, 20, 256), (1 / 64, 300, 300), (1e-6, 20, 400)])
