@@ -25,7 +25,6 @@ from benchmarks.common import compile_step, exact, strategy  # sets the CPU flag
 
 import argparse
 import json
-import math
 import pathlib
 import platform
 import statistics
@@ -39,7 +38,7 @@ import numpy as np
 
 import smartremat
 from benchmarks import models as M
-from smartremat._tune import round_orders
+from smartremat._tune import round_orders, rounds_for
 
 MB = smartremat.MB
 FIXED = ["none", "full", "dots", "dots_nb", "alternate", "sqrt"]
@@ -127,8 +126,7 @@ MAX_REPEAT = 400
 def repeat_for(timers: list[Timer], repeat: int) -> int:
     """`repeat` rounds, or more where the steps are short: about `SECONDS` per program, sized on
     one untimed call of each (the median), at most `MAX_REPEAT`."""
-    step = statistics.median(t.run() for t in timers)
-    return max(repeat, min(MAX_REPEAT, math.ceil(SECONDS / max(step, 1e-9))))
+    return rounds_for(statistics.median(t.run() for t in timers), SECONDS, repeat, MAX_REPEAT)
 
 
 def time_all(timers: list[Timer], repeat: int) -> None:

@@ -85,15 +85,6 @@ class Column:
         return f"{statistics.median(self.times) * 1e3:7.1f} ms (halves {abs(even - odd) / min(even, odd):5.1%})"
 
 
-def bench_column(timer: Timer) -> Column:
-    def run() -> float:
-        n = len(timer.times)
-        timer.once()
-        return timer.times[n]
-
-    return Column(run)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--model", default="gpt")
@@ -120,9 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     for name in ["none", "full", "dots", "dots_nb"]:
         t = Timer(strategy(case.model, name, case.where), case.x)
         if t.temp <= args.budget * MB:
-            columns.append((f"bench {name:8s} {t.temp / MB:7.2f} MB", bench_column(t)))
+            columns.append((f"bench {name:8s} {t.temp / MB:7.2f} MB", Column(t.run)))
     t = Timer(wrapped, case.x)
-    columns.append((f"bench tuned plan {t.temp / MB:7.2f} MB", bench_column(t)))
+    columns.append((f"bench tuned plan {t.temp / MB:7.2f} MB", Column(t.run)))
     for c in columns:  # warm-up
         c[1].run()
     for order in round_orders(len(columns), args.rounds):

@@ -104,10 +104,11 @@ def timings(steps: Sequence[Timed], rounds: int | None = None) -> list[tuple[flo
     return list(_TIMES.get((tuple(s.key for s in steps), rounds), lambda: _time_steps(steps, rounds)))
 
 
-def rounds_for(seconds: float) -> int:
-    """Timing rounds for steps of about `seconds` each: enough for `TUNE_SECONDS` per candidate,
-    no fewer than `TUNE_ROUNDS` and no more than `TUNE_MAX_ROUNDS`."""
-    return max(TUNE_ROUNDS, min(TUNE_MAX_ROUNDS, math.ceil(TUNE_SECONDS / max(seconds, 1e-9))))
+def rounds_for(seconds: float, per_step: float = TUNE_SECONDS, floor: int = TUNE_ROUNDS,
+               cap: int = TUNE_MAX_ROUNDS) -> int:
+    """Timing rounds for steps of about `seconds` each: enough for `per_step` seconds per step,
+    no fewer than `floor` and (unless `floor` is more) no more than `cap`."""
+    return max(floor, min(cap, math.ceil(per_step / max(seconds, 1e-9))))
 
 
 def _time_steps(steps: Sequence[Timed], rounds: int | None) -> tuple[tuple[float, ...], ...]:

@@ -106,7 +106,7 @@ def test_tune_rules_replays_recorded_rounds_without_timing(tmp_path, capsys):
           "--rules", "default", "lowest median"])
     out = capsys.readouterr().out
     assert "toy" in out and "Spearman between two halves" in out
-    # the default at budget 3 is program 2 (1.5) while the fixed fitting there are 1 (2.0): ratio 0.75
+    # ratios 1, 1 and 0.75 (at budget 3 the default, program 2 at 1.5, beats the one fixed that fits, 1 at 2.0)
     assert "n=  6 default        median ratio 1.000" in out
     assert "n=  6 lowest median  median ratio 1.000" in out and "worst 1.000" in out
     with pytest.raises(ValueError, match=r"`--n 12` leaves none of the 12 rounds to judge .* below 12"):
