@@ -6,7 +6,7 @@ OLDEST := .venv-oldest
 # lowest versions pyproject.toml declares (requirements/oldest.txt).
 OLDEST_TESTS := tests/test_api.py tests/test_profile.py tests/test_discover.py tests/test_robust.py tests/test_step_api.py
 
-.PHONY: demo test test-oldest clean
+.PHONY: demo test test-oldest fuzz clean
 
 # The dev environment: exact versions (requirements/dev.txt), the library's own bounds are lower bounds.
 $(BIN)/activate: pyproject.toml requirements/dev.txt
@@ -38,6 +38,15 @@ test: $(BIN)/activate test-oldest
 
 test-oldest: $(OLDEST)/bin/activate
 	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(OLDEST_TESTS)
+
+# The model fuzzer (tests/fuzz/): COUNT cases of Equinox idioms drawn from SEED (from the clock when
+# empty), each held against the invariants (no undocumented error, the plain step's answer, compiled
+# temp within budget, explain's figures reachable); each failure class is shrunk and written as a
+# standalone reproducer into fuzz-failures/. CI runs a fixed subset (tests/test_fuzz.py).
+SEED ?=
+COUNT ?= 2000
+fuzz: $(BIN)/activate
+	XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander SMARTREMAT_DISK_CACHE=0 $(BIN)/python -m tests.fuzz.run $(if $(SEED),--seed $(SEED)) --count $(COUNT)
 
 clean:
 	rm -rf $(VENV) $(OLDEST)

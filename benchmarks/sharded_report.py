@@ -29,6 +29,7 @@ if "jax" not in sys.modules:
 
 import argparse
 import json
+import warnings
 
 import equinox as eqx
 import jax
@@ -120,12 +121,18 @@ def classic(d: int, hidden: int, n: int, batch: int) -> dict:
     rows = []
     for b in np.linspace(full, none, 5)[1:-1] / MB:
         planned = smartremat.filter_jit(step, budget_mb=float(b), donate="all")
-        got = planned(*args(model))
-        plan = smartremat.explain(planned, *args(model))
-        rows.append({"budget_mb": float(b), "predicted_mb": plan.predicted_peak_bytes / MB,
+        with warnings.catch_warnings(record=True) as seen:  # filter_jit sees the shardings: nothing to warn of
+            warnings.simplefilter("always")
+            got = planned(*args(model))
+            plan = smartremat.explain(planned, *args(model))
+        rows.append({"warnings": [str(w.message) for w in seen], "budget_mb": float(b), "predicted_mb": plan.predicted_peak_bytes / MB,
                      "compiled_mb": temp(planned, model) / MB, "plan_compiled_mb": plan.compiled_peak_bytes / MB,
                      "policies": [blk.policy for blk in plan.blocks], "grad_rel_diff": rel_diff(got, want)})
-    return {"layout": "dp_classic", "mesh": dict(mesh.shape), "full_mb": full / MB, "none_mb": none / MB,
+    unplaced = jax.tree.map(lambda a: jnp.array(np.asarray(a)) if eqx.is_array(a) else a, model)  # on one device
+    planned = smartremat.filter_jit(step, budget_mb=float(np.mean([full, none]) / MB))
+    unplaced_diff = rel_diff(planned(unplaced, opt.init(eqx.filter(unplaced, eqx.is_array)), x, y),
+                             eqx.filter_jit(step)(unplaced, opt.init(eqx.filter(unplaced, eqx.is_array)), x, y))
+    return {"layout": "dp_classic", "unplaced_grad_rel_diff": unplaced_diff, "mesh": dict(mesh.shape), "full_mb": full / MB, "none_mb": none / MB,
             "predicted_none_mb": plan.no_remat_peak_bytes / MB,
             "one_device_predicted_none_mb": one_device_none(d, hidden, n, batch), "rows": rows,
             "decorator": decorator_under_classic(model, x, (full + none) / 2 / MB)}

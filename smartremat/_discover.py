@@ -147,6 +147,7 @@ class BlockCall:
     spec: CallSpec
     scan: ScanSite | None = None
     ends: bool = False
+    unplanned: tuple[str, ...] = ()  # on the first call: why other blocks of the module are not planned
 
 
 _PROBE_SCOPE = "smartremat_probe_"
@@ -188,7 +189,7 @@ def _sites(jaxpr: jcore.Jaxpr) -> dict[int, ScanSite | None | str]:
             xs = e.invars[e.params["num_consts"] + e.params["num_carry"]:]
             site = ScanSite(k, n, bool(e.params["reverse"]), sum(aval_bytes(v.aval) for v in xs) // max(n, 1))
         else:
-            site = "a while loop, a nested loop, or a scan inside another transformation"
+            site = _loop_kind([e for _, e in loops], [e for _, e in ctx])
         out.setdefault(serial, site)
         if out[serial] != site:
             out[serial] = "more than one place"
@@ -229,17 +230,23 @@ def discover(
         return out
 
     closed = jax.make_jaxpr(spec.function(probed))(*spec.dynamic)
+    if not recorded and candidates:  # the forward's inner `jit`s may reuse traces JAX cached before: trace afresh
+        jax.clear_caches()
+        outputs.clear()
+        closed = jax.make_jaxpr(spec.function(probed))(*spec.dynamic)
     sites = _sites(closed.jaxpr)
-    calls = []
+    calls, unplanned = [], {}
     for serial, (i, s) in enumerate(recorded):
         site = sites.get(serial)
-        if isinstance(site, str):
-            raise NotImplementedError(_loop_error(candidates[i], site))
+        if isinstance(site, str):  # left as it runs: the loop keeps what it keeps
+            unplanned.setdefault(candidates[i][0], _loop_reason(candidates[i], site))
+            continue
         if s is not None and site is not None and spec.axis_size is not None and s.axis_size is None:
             s = batched_body(s, spec)
         if s is not None:
             calls.append(BlockCall(candidates[i][0], type(candidates[i][1]).__name__, s, site,
                                    ends=site is None and serial in ending))
+    calls = [c for c in calls if c.path not in unplanned]  # a block run in a loop is left alone everywhere
     _check_scans(calls)
     if blocks is not None:
         _warn_uncalled(candidates, {i for i, _ in recorded})
@@ -252,8 +259,8 @@ def discover(
                 "`smartremat(blocks=...)` named sub-modules that the module's forward never "
                 "calls. Name the sub-modules its `__call__` uses."
             )
-        return [BlockCall((), type(module).__name__, spec, ends=True)]
-    return calls
+        return [BlockCall((), type(module).__name__, spec, ends=True, unplanned=tuple(unplanned.values()))]
+    return [dataclasses.replace(calls[0], unplanned=tuple(unplanned.values())), *calls[1:]] if unplanned else calls
 
 
 def _returning(outputs: dict[int, list], final: list) -> list[int]:
@@ -305,6 +312,22 @@ def expand_stacks(calls: list[BlockCall], depth: int = 0) -> list[BlockCall]:
     return out
 
 
+def expanded(module: eqx.Module, call: Callable, spec: CallSpec, found: list[BlockCall]) -> list[BlockCall]:
+    """`found` with its stacks expanded (`expand_stacks`). A block that wraps a scanned stack
+    (a classifier's backbone, a diffusion object's `net`) is replaced by its layers: they are
+    discovered again from `module` itself, so that each scan is located in `module`'s own forward
+    (where the plan splits it); where that fails, the wrapper stays one block."""
+    calls = expand_stacks(found)
+    if all(c.scan is None or any(f.path == c.path for f in found) for c in calls):
+        return calls
+    paths = [c.path for c in dict((c.path, c) for c in calls).values()]
+    try:
+        again = discover(module, call, spec, lambda m: [get_at(m, p) for p in paths])
+    except (NotImplementedError, ValueError):
+        return found
+    return found if any(c.unplanned for c in again) else again
+
+
 def _stack_of(c: BlockCall) -> list[BlockCall] | None:
     if c.path == () or c.scan is not None:
         return None
@@ -313,8 +336,10 @@ def _stack_of(c: BlockCall) -> list[BlockCall] | None:
         inner = discover(module, call_module, c.spec, None)
     except (NotImplementedError, ValueError):
         return None
-    if any(s.path == () or s.scan is not None for s in inner):
+    if any(s.path == () or s.unplanned for s in inner):  # not all its blocks plannable: it stays whole
         return None
+    if any(s.scan is not None for s in inner):  # a wrapper around a scanned stack: its layers are the blocks
+        return inner
     distinct = list(dict((s.path, s) for s in inner).values())
     types = [s.type_name for s in distinct]
     repeated = [s for s in distinct if types.count(s.type_name) > 1]
@@ -352,13 +377,26 @@ def batched_body(body: CallSpec, outer: CallSpec) -> CallSpec:
     return dataclasses.replace(body, dynamic=dynamic, in_axes=in_axes, axis_size=size, axis_name=outer.axis_name)
 
 
-def _loop_error(candidate: tuple[Path, Any], where: str) -> str:
+def _loop_kind(loops: list, around: list) -> str:
+    """Which kind of loop a block runs in, as the user wrote it."""
+    if any(e.primitive.name == "while" for e in loops):
+        return ("a `jax.lax.while_loop` (a `fori_loop` with traced bounds, an ODE solver's stepping loop "
+                "such as diffrax's)")
+    if len(loops) > 1:
+        return "a `jax.lax.scan` nested in another loop"
+    outer = next(e.primitive.name for e in around if e.primitive.name not in _LOOPS)
+    return f"a `jax.lax.scan` inside another transformation (`{outer}`)"
+
+
+def _loop_reason(candidate: tuple[Path, Any], where: str) -> str:
+    """Why a block is left unplanned, in the user's terms, and what to do instead."""
     return (
-        f"smartremat found the block {path_str(candidate[0])} ({type(candidate[1]).__name__}) "
-        f"called inside {where}, where one traced call runs an unknown or nested number of "
-        "times; counting it once would understate the peak. smartremat plans blocks that run "
-        "once or as the body of a top-level `jax.lax.scan`. Checkpoint this loop's body by hand "
-        "with `eqx.filter_checkpoint`, or name blocks outside the loop with `blocks=`."
+        f"the block {path_str(candidate[0])} ({type(candidate[1]).__name__}) is called inside {where}, "
+        "where one traced call runs an unknown or nested number of times, so smartremat leaves it "
+        "as it runs (it plans blocks that run once or as the body of a top-level `jax.lax.scan`). "
+        "Memory inside such a loop is the loop's own: for a diffrax solve, bound it with "
+        "`diffeqsolve(..., adjoint=diffrax.RecursiveCheckpointAdjoint(checkpoints=n))`; for your own "
+        "loop, checkpoint its body with `eqx.filter_checkpoint`; or call the model outside the loop"
     )
 
 

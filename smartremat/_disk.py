@@ -135,7 +135,7 @@ def plan_key(call: Callable, spec: Any, config: Any) -> str | None:
 def step_key(sig: Any, jaxpr: Any, config: Any, extra: tuple) -> str | None:
     """The disk key of `smartremat.filter_jit`'s plan of a step: the traced step (no remat), its
     arguments' structure, shapes, dtypes and shardings, the configuration and `extra`."""
-    signature = (str(sig.treedef), _avals_text(sig.avals), _program(jaxpr))
+    signature = (_ADDRESS.sub("", str(sig.treedef)), _avals_text(sig.avals), _program(jaxpr))
     return _key_text(signature, config, tuple(_ADDRESS.sub("", repr(e)) for e in extra))
 
 

@@ -13,7 +13,7 @@ from . import _intercept, _planner
 from ._cache import KeyedCache, environment_key
 from ._decorator import make_config
 from ._plan import Plan
-from ._step import Box, Signature, applying, bind, compile_quietly, lower_step, root_modules, split_args, traced, traced_once
+from ._step import Box, Signature, applying, bind, compile_quietly, lower_step, root_modules, split_args, step_name, traced, traced_once
 from ._step_plan import Entry, StepOptions, plan_step
 
 
@@ -26,14 +26,14 @@ class PlannedStep:
 
     def __init__(self, fun: Callable, config: _planner.Config, options: StepOptions):
         self.__wrapped__ = fun
-        self.__name__ = getattr(fun, "__name__", "step")
+        self.__name__ = step_name(fun).rsplit(".", 1)[-1]
         self.__doc__ = getattr(fun, "__doc__", None)
         self.config, self.options = config, options
         self._entries: KeyedCache[tuple[Entry, Any, Box]] = KeyedCache()
 
     def _entry(self, args: tuple, kwargs: dict) -> tuple[tuple[Entry, Any, Box], list]:
         args, kwargs = bind(self.__wrapped__, args, kwargs)
-        sig, dynamic = split_args(args, kwargs)
+        sig, dynamic = split_args(self.__wrapped__, args, kwargs)
         traced = any(isinstance(x, Tracer) for x in dynamic)
         key = (sig.key(), traced, *environment_key())
         return self._entries.get(key, lambda: self._make(sig, args, kwargs, traced)), dynamic
@@ -43,13 +43,13 @@ class PlannedStep:
         entry = plan_step(self.__wrapped__, sig, roots, self.config, self.options)
         if traced:  # called inside an outer jit: the step is inlined there
             return entry, None, Box()
-        lowered, box = lower_step(self.__wrapped__, sig, (entry.classes, entry.assignments), self.options.donate)
+        lowered, box = lower_step(sig, (entry.classes, entry.assignments), self.options.donate)
         return entry, compile_quietly(lowered), box
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         (entry, compiled, box), dynamic = self._entry(args, kwargs)
         if compiled is None:
-            f = traced(self.__wrapped__, entry.sig, applying(entry.classes, entry.assignments), box)
+            f = traced(entry.sig, applying(entry.classes, entry.assignments), box)
             with _intercept.installed(entry.classes):
                 out = traced_once(lambda: f(*dynamic), box, len(entry.assignments))
         else:
@@ -60,7 +60,7 @@ class PlannedStep:
         """Plan (if not yet) and lower the planned step, as `eqx.filter_jit(step).lower(...)`:
         `.compile().memory_analysis()` then gives the compiler's figures of the step that runs."""
         (entry, _, _), _ = self._entry(args, kwargs)
-        lowered, box = lower_step(self.__wrapped__, entry.sig, (entry.classes, entry.assignments), self.options.donate)
+        lowered, box = lower_step(entry.sig, (entry.classes, entry.assignments), self.options.donate)
         return Lowered(lowered, entry.sig, box, self.__wrapped__)
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
@@ -95,7 +95,7 @@ class Compiled:
         return self.compiled.cost_analysis()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        sig, dynamic = split_args(*bind(self._fun, args, kwargs))
+        sig, dynamic = split_args(self._fun, *bind(self._fun, args, kwargs))
         if sig.key()[:2] != self._sig.key()[:2]:
             raise ValueError("This compiled step was lowered for other arguments (structure or static "
                              "values); lower and compile it for these.")

@@ -28,7 +28,7 @@ def nested_options(call: BlockCall, menu: tuple[Option, ...]) -> tuple[Nested, .
     except (NotImplementedError, ValueError):  # sub-blocks smartremat cannot plan: no nested options
         return ()
     children = [c for c in inner if c.path != () and c.scan is None]
-    if not children:
+    if not children or any(c.unplanned for c in inner):
         return ()
     kept: dict[Path, int] = {}
     for c in children:

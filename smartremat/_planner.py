@@ -17,7 +17,7 @@ from . import _disk
 from ._apply import run
 from ._discover import call_module
 from ._cache import KeyedCache, barrier_hint, environment_key
-from ._discover import BlockCall, Path, discover, expand_stacks, path_str
+from ._discover import BlockCall, Path, discover, expanded, path_str
 from ._memory import Stage, cost_of, peak_at, peak_of
 from ._plan import MB, Plan, PlanBlock, PolicyFigures
 from ._options import NO_REMAT, Entry, Option, Segments, expand
@@ -138,7 +138,7 @@ def build_model(call: Callable, spec: CallSpec, module: Any, config: Config,
                 progress: Callable[[str], None] = logger.debug) -> MemoryModel:
     """Discover the block calls and profile each distinct one under every option."""
     found = discover(module, call, spec, config.blocks)
-    calls = tuple(expand_stacks(found) if config.blocks is None else found)
+    calls = tuple(expanded(module, call, spec, found) if config.blocks is None else found)
     menus = _menus(calls, config)
     profiles = []
     for k, (c, menu) in enumerate(zip(calls, menus)):
@@ -260,7 +260,7 @@ def make_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Pl
     lowest = min_peak(stages)
     sol = solve(stages, config.budget_bytes - fixed)
     if sol is None and not config.verify:
-        raise infeasible(config, spec, lowest.peak + fixed, "predicted by smartremat's model")
+        raise infeasible(config, spec, lowest.peak + fixed, "predicted by smartremat's model", unplanned(model))
     outcome = None
     if config.verify:
         def measure(choice: tuple[int, ...]) -> tuple[int, float]:
@@ -270,7 +270,7 @@ def make_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Pl
             return compiled_step(call, spec, assignment_of(model, choice), config.losses)
 
         def error(floor: int) -> ValueError:
-            return infeasible(config, spec, floor, "compiled temp bytes of the training step")
+            return infeasible(config, spec, floor, "compiled temp bytes of the training step", unplanned(model))
 
         def time_of(choices: list) -> list[tuple[float, ...]]:
             return timings([timed_step(call, spec, assignment_of(model, c), config.losses[0]) for c in choices])
@@ -373,10 +373,20 @@ def _fastest(out: Outcome, points: list, uniforms: list, config: Config, measure
         checked.setdefault(c, (int(peak(c)), t))
     return Outcome(choice, compiled.figures[choice], tuple(checked),
                    tuple(dict.fromkeys([*out.confirmed, *compiled.confirmed])),  # each once: the choice is in both
-                   tuple(checked.values()), timed)
+                   tuple(checked.values()), timed, out.skipped + compiled.skipped)
 
 
-def infeasible(config: Config, spec: CallSpec, floor: int, kind: str) -> ValueError:
+def unplanned(model: MemoryModel) -> tuple[str, ...]:
+    """Why some blocks of the model's module(s) are left as they run (called inside loops)."""
+    return tuple(dict.fromkeys(r for c in model.calls for r in c.unplanned))
+
+
+def unplanned_text(reasons: tuple[str, ...]) -> str:
+    """For an error about a budget that is too low: the blocks remat could not reach, and why."""
+    return "".join(f" Note: {r}." for r in reasons)
+
+
+def infeasible(config: Config, spec: CallSpec, floor: int, kind: str, reasons: tuple[str, ...] = ()) -> ValueError:
     empty = no_policy_error(config.policies, config.budget_mb, floor)
     if empty is not None:
         return empty
@@ -386,7 +396,8 @@ def infeasible(config: Config, spec: CallSpec, floor: int, kind: str) -> ValueEr
         f"`smartremat(budget_mb={config.budget_mb:g})` is below the lowest peak any remat plan "
         f"reaches for this module on inputs ({shapes}): {floor / MB:.3f} MB ({kind}). Raise "
         f"`budget_mb` to at least {up:.2f}, lower the batch size, or name finer blocks with "
-        "`blocks=` so that smaller pieces can be recomputed." + _unseen_sharding(spec) + barrier_hint()
+        "`blocks=` so that smaller pieces can be recomputed." + unplanned_text(reasons) + _unseen_sharding(spec)
+        + barrier_hint()
     )
 
 
@@ -455,12 +466,19 @@ def assemble(model: MemoryModel, config: Config, sol: Solution, lowest: Solution
         checked=() if outcome is None else outcome.checked,
         timed=() if outcome is None else outcome.timed,
         backend=jax.default_backend(),
-        notes=tuple(_notes(model, sol)),
+        notes=tuple(_notes(model, sol)) + _skipped_note(outcome) + unplanned(model),
         assignment=assignment_of(model, sol.choice),
         stages=stages,
         menu=tuple(p.name for p in config.policies),
         signature=sig,
     )
+
+
+def _skipped_note(outcome: Outcome | None) -> tuple[str, ...]:
+    if outcome is None or not outcome.skipped:
+        return ()
+    return (f"{outcome.skipped} candidate plan(s) could not be built (a scan split into pieces whose "
+            "operands differ between policies) and were skipped",)
 
 
 CPU_NOTE = (

@@ -85,7 +85,7 @@ def _totals(plan: Plan) -> list[str]:
         + ("" if plan.compiled_peak_bytes is None
            else f"   compiled {plan.compiled_peak_bytes / MB:.2f} MB"),
         f"no remat        {plan.no_remat_peak_bytes / MB:10.2f} MB   full remat {plan.full_remat_peak_bytes / MB:.2f} MB"
-        f"   lowest reachable {plan.min_peak_bytes / MB:.2f} MB",
+        f"   lowest {plan.min_peak_bytes / MB:.2f} MB (the model's; the compiler decides fit)",
         f"recompute       {plan.recompute_flops / 1e9:10.3f} GFLOP ({overhead:.1f}% of the forward)",
         f"planned in      {plan.planning_seconds:10.2f} s on {plan.backend}, {plan.compiles} whole-step compiles   "
         "(* = chosen; MB kept for the backward" + (_LENDS if _lends(plan) else "") + ")",

@@ -21,6 +21,7 @@ from jax.extend import core as jcore
 
 from . import _jax_private
 from ._discover import subjaxprs
+from ._search import Unbuildable
 from ._spec import abstract, scatter
 
 
@@ -56,7 +57,7 @@ def run_pieces(module: Any, call: Callable, assignment: tuple, args: tuple, kwar
     for t, (_, _, pol) in enumerate(segs):
         k = _find_scan(closed.jaxpr, t)
         ps = pol.variants
-        bodies = [_body_at(traced[ps.index(p)][0].jaxpr, t, closed.jaxpr.eqns[k]) for _, _, p in pol.pieces]
+        bodies = [_body_at(traced[ps.index(p)][0].jaxpr, t, closed.jaxpr.eqns[k], closed.jaxpr) for _, _, p in pol.pieces]
         targets[k] = [(a, b, body) for (a, b, _), body in zip(pol.pieces, bodies)]
     outs = _evaluate(closed, targets, [leaves[i] for i in dyn_at])
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
@@ -83,15 +84,36 @@ def _find_scan(jaxpr: jcore.Jaxpr, tag: int) -> int:
     )
 
 
-def _body_at(jaxpr: jcore.Jaxpr, tag: int, base: Any) -> Any:  # equations (avals untyped)
-    """The marked scan of another policy's trace, checked to take the same operands as `base`."""
+def _addresses(jaxpr: jcore.Jaxpr) -> dict:
+    """Where each variable of `jaxpr` comes from, in terms that agree between two traces of the
+    same forward: an input or constant by position, an equation's output by `(equation, output)`."""
+    where: dict = {v: ("in", i) for i, v in enumerate(jaxpr.invars)}
+    where.update({v: ("const", i) for i, v in enumerate(jaxpr.constvars)})
+    for k, eqn in enumerate(jaxpr.eqns):
+        where.update({v: ("eqn", k, j) for j, v in enumerate(eqn.outvars)})
+    return where
+
+
+def _operand(where: dict, v: Any) -> Any:
+    return ("literal", repr(v.val)) if isinstance(v, jcore.Literal) else where.get(v)
+
+
+def _body_at(jaxpr: jcore.Jaxpr, tag: int, base: Any, base_jaxpr: jcore.Jaxpr) -> tuple[Any, list[int]]:
+    """The marked scan of another policy's trace, and for each of its constants the index of the
+    same value among `base`'s (a checkpointed body may close over the same values in another
+    order); carried and scanned operands must be `base`'s, in order."""
     eqn: Any = jaxpr.eqns[_find_scan(jaxpr, tag)]
-    same = [(v.aval.shape, v.aval.dtype) for v in eqn.invars] == [(v.aval.shape, v.aval.dtype) for v in base.invars]
-    if not same or eqn.params["num_consts"] != base.params["num_consts"]:
-        raise RuntimeError(
-            "smartremat: the scan's operands differ between the policies of its pieces, so it "
-            "cannot be split. Plan this module with `smartremat(..., scan_segments=1)`.")
-    return eqn
+    nc = eqn.params["num_consts"]
+    where, base_where = _addresses(jaxpr), _addresses(base_jaxpr)
+    mine = [_operand(where, v) for v in eqn.invars]
+    theirs = [_operand(base_where, v) for v in base.invars]
+    nb = base.params["num_consts"]
+    same_rest = mine[nc:] == theirs[nb:] and len(eqn.invars) - nc == len(base.invars) - nb
+    if not same_rest or any(a is None or a not in theirs[:nb] for a in mine[:nc]):
+        raise Unbuildable(
+            "smartremat: the scan's operands differ between the policies of its pieces, so this "
+            "candidate, which splits it, cannot be built")
+    return eqn, [theirs[:nb].index(a) for a in mine[:nc]]
 
 
 def _evaluate(closed: jcore.ClosedJaxpr, targets: dict, args: list) -> list:
@@ -115,7 +137,7 @@ def _evaluate(closed: jcore.ClosedJaxpr, targets: dict, args: list) -> list:
 
 
 def _split_scan(eqn: jcore.JaxprEqn, pieces: list, invals: list) -> list:
-    """The scan `eqn` as one scan per `(start, stop, body_eqn)` piece, in the scan's order.
+    """The scan `eqn` as one scan per `(start, stop, (body_eqn, const order))` piece, in the scan's order.
 
     Each piece is a `jax.lax.scan` over its own slice `xs[a:b]` of every scanned operand (the
     stacked parameters among them), taken outside the body; the pieces' outputs are concatenated.
@@ -124,11 +146,12 @@ def _split_scan(eqn: jcore.JaxprEqn, pieces: list, invals: list) -> list:
     nc, ncar = p["num_consts"], p["num_carry"]
     consts, carry, xs = invals[:nc], list(invals[nc:nc + ncar]), invals[nc + ncar:]
     ys_of = {}
-    for a, b, body_eqn in (reversed(pieces) if p["reverse"] else pieces):
+    for a, b, (body_eqn, order) in (reversed(pieces) if p["reverse"] else pieces):
         fn = jcore.jaxpr_as_fun(body_eqn.params["jaxpr"])
+        mine = [consts[i] for i in order]
 
-        def step(c: list, x: list, fn: Callable = fn) -> tuple[list, list]:
-            out = fn(*consts, *c, *x)
+        def step(c: list, x: list, fn: Callable = fn, mine: list = mine) -> tuple[list, list]:
+            out = fn(*mine, *c, *x)
             return list(out[:ncar]), list(out[ncar:])
 
         carry, ys_of[a] = jax.lax.scan(step, carry, [v[a:b] for v in xs], length=b - a,

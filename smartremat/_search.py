@@ -71,6 +71,15 @@ SPARE_BATCH = 2
 Choice = tuple[int, ...]
 
 
+class Unbuildable(RuntimeError):
+    """Raised by `measure` for a candidate plan that cannot be built (a scan whose pieces cannot
+    be made to take the same operands): the search skips it (`UNBUILT`) and says so in the plan."""
+
+
+#: The figures of a candidate that cannot be built: it fits no budget and wins no comparison.
+UNBUILT = (2**62, float("inf"))
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What the search found: the chosen candidate, its compiled `(temp, flops)`, the candidates
@@ -84,6 +93,7 @@ class Outcome:
     confirmed: tuple[Choice, ...] = ()  # the candidates also compiled under every loss
     checked: tuple[tuple[int, int], ...] = ()  # (predicted peak, compiled temp) per candidate compiled
     timed: tuple[tuple[int, float, float], ...] = ()  # with tune=True: (temp, flops, seconds) per candidate timed
+    skipped: int = 0  # candidates that could not be built (`Unbuildable`)
 
 
 def spread(front: Sequence, n: int) -> list:
@@ -105,6 +115,7 @@ class _Compiled:
         self.measure, self.progress, self.confirm = measure, progress, confirm
         self.figures: dict[Choice, tuple[int, float]] = {}
         self.confirmed: set[Choice] = set()
+        self.raising = False  # `search` sets it: a candidate found unbuildable restarts its search
 
     def __call__(self, *choices: Choice) -> None:
         new = [c for c in dict.fromkeys(choices) if c not in self.figures]
@@ -112,14 +123,33 @@ class _Compiled:
             return
         self.progress(f"compiling {len(new)} candidate plan(s) ({len(self.figures) + len(new)} so far)")
         with ThreadPoolExecutor(max(1, min(len(new), os.cpu_count() or 1))) as pool:
-            self.figures.update(zip(new, pool.map(self.measure, new)))
+            self.figures.update(zip(new, pool.map(self._measured, new)))
+        if self.raising and any(self.figures[c] == UNBUILT for c in new):
+            raise _Unbuilt()
+
+    def _measured(self, choice: Choice) -> tuple[int, float]:
+        try:
+            return self.measure(choice)
+        except Unbuildable:
+            return UNBUILT
+
+    @property
+    def skipped(self) -> int:
+        return sum(f == UNBUILT for f in self.figures.values())
 
     def exact(self, choice: Choice) -> int:
         """`choice`'s temp bytes under every loss (compiled the first time it is asked)."""
         if self.confirm is not None and choice not in self.confirmed:
             self.progress(f"compiling a candidate plan under every loss ({len(self.confirmed) + 1} so far)")
             self.confirmed.add(choice)
-            self.figures[choice] = (self.confirm(choice)[0], self.figures[choice][1])
+            try:
+                temp = self.confirm(choice)[0]
+            except Unbuildable:
+                self.figures[choice] = UNBUILT
+                if self.raising:
+                    raise _Unbuilt() from None
+                return UNBUILT[0]
+            self.figures[choice] = (temp, self.figures[choice][1])
         return self.figures[choice][0]
 
     def floor(self) -> int:
@@ -161,6 +191,22 @@ def search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimate
     - `confirm`: a choice's compiled figures under every loss (the largest temp), if several.
     """
     compiled = _Compiled(measure, progress, confirm)
+    compiled.raising = True
+    while True:  # a candidate found unbuildable leaves the frontier, and the search goes on without it
+        built = [u for u in uniforms if compiled.figures.get(u) != UNBUILT]
+        live = [c for c in points if compiled.figures.get(c) != UNBUILT] or built
+        try:
+            return _search(live, built, model, budget, compiled, rank, error)
+        except _Unbuilt:
+            continue
+
+
+class _Unbuilt(Exception):
+    """A candidate just compiled could not be built: start the search again without it."""
+
+
+def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimates, budget: int,
+            compiled: _Compiled, rank: Callable[[Choice, float], float], error: Callable[[int], Exception]) -> Outcome:
     predicted = [model.peak(p) for p in points]
     spare = _Spare(uniforms, model, compiled, points, predicted, budget, rank)
     guess = _guess(points, predicted, {}, budget, 0, len(points))
@@ -183,8 +229,9 @@ def search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimate
             compiled(*everything)  # the model's lowest plan is not the compiler's: try them all
             continue
         if compiled.exact(best) <= budget:
-            checked = tuple((int(model.peak(c)), t) for c, (t, _) in compiled.figures.items())
-            return Outcome(best, compiled.figures[best], tuple(compiled.figures), tuple(compiled.confirmed), checked)
+            checked = tuple((int(model.peak(c)), t) for c, (t, _) in compiled.figures.items() if t < UNBUILT[0])
+            return Outcome(best, compiled.figures[best], tuple(compiled.figures), tuple(compiled.confirmed), checked,
+                           skipped=compiled.skipped)
 
 
 def _best(compiled: _Compiled, budget: int, rank: Callable[[Choice, float], float]) -> Choice | None:
@@ -211,7 +258,7 @@ def _could_win(uniforms: Sequence[Choice], model: Estimates, compiled: _Compiled
     """The uniform plans not compiled yet that the model does not rule out: they could fit and
     could cost no more than `best` (see the module docstring); with `against`, no more than it by
     the model's FLOPs, within the margin of `best`'s rank."""
-    scale = min(1.0, *_ratios(points, predicted, compiled.figures))  # never scaled up (see the module docstring)
+    scale = min([1.0, *_ratios(points, predicted, compiled.figures)])  # never scaled up (see the module docstring)
     slack = WIN_MARGIN * abs(rank(best, compiled.figures[best][1]))
     ref = model.flops(best if against is None else against)
     return [u for u in uniforms if u not in compiled.figures
@@ -244,7 +291,10 @@ class _Spare:
             return batch
         best = _best(self.compiled, self.budget, self.rank)
         if best is None:
-            best = max(figures, key=lambda c: self.rank(c, figures[c][1]))
+            built = [c for c in figures if figures[c] != UNBUILT]
+            if not built:
+                return batch
+            best = max(built, key=lambda c: self.rank(c, figures[c][1]))
         ready = [u for u in _could_win(self.uniforms, self.model, self.compiled, self.points, self.predicted,
                                        self.budget, best, self.rank, against=point) if u not in batch]
         return batch + tuple(ready[: SPARE_BATCH - len(batch)])
@@ -274,7 +324,7 @@ def _misses(points: Sequence[Choice], predicted: Sequence[float], figures: dict,
 
 def _ratios(points: Sequence[Choice], predicted: Sequence[float], figures: dict) -> list[float]:
     """Compiled over predicted bytes of each frontier point compiled so far."""
-    return [figures[p][0] / max(q, 1) for p, q in zip(points, predicted) if p in figures]
+    return [figures[p][0] / max(q, 1) for p, q in zip(points, predicted) if p in figures and figures[p] != UNBUILT]
 
 
 def _known_bracket(points: Sequence[Choice], figures: dict, budget: int) -> tuple[int, int]:
@@ -290,7 +340,8 @@ def _guess(points: Sequence[Choice], predicted: Sequence[float], figures: dict, 
            lo: int, hi: int) -> int:
     """The cheapest index in `[lo, hi)` whose predicted peak, scaled by the compiled/predicted
     ratio of the nearest compiled frontier point, fits `budget`."""
-    known = [(i, figures[p][0] / max(predicted[i], 1)) for i, p in enumerate(points) if p in figures]
+    known = [(i, figures[p][0] / max(predicted[i], 1)) for i, p in enumerate(points)
+             if p in figures and figures[p] != UNBUILT]
     best = lo
     for i in range(lo, hi):
         ratio = min(known, key=lambda k: abs(k[0] - i))[1] if known else 1.0

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +45,7 @@ def merge_leaves(treedef: Any, static: tuple[tuple[int, Any], ...], dynamic: Any
     return jax.tree.unflatten(treedef, leaves)
 
 
-def _hashable(x: Any) -> Any:
+def hashable(x: Any) -> Any:
     """A static leaf as a key part: itself if hashable, a mutable set or byte array by its value,
     else the object itself compared by identity (held, so its id cannot be reused meanwhile)."""
     try:
@@ -52,7 +54,7 @@ def _hashable(x: Any) -> Any:
     except TypeError:
         pass
     if type(x) is set:
-        return ("<set>", frozenset(_hashable(v) for v in x))
+        return ("<set>", frozenset(hashable(v) for v in x))
     if type(x) is bytearray:
         return ("<bytearray>", bytes(x))
     return ("<unhashable>", type(x).__name__, Identity(x))
@@ -75,7 +77,7 @@ class CallSpec:
 
     def key(self) -> tuple:
         dyn = tuple((d.shape, str(d.dtype), sharding_key(d)) for d in self.dynamic)
-        stat = tuple((i, _hashable(v)) for i, v in self.static)
+        stat = tuple((i, hashable(v)) for i, v in self.static)
         return (self.treedef, dyn, stat, self.in_axes, self.axis_size, self.axis_name)
 
     def rebuild(self, dynamic: tuple) -> tuple:
@@ -161,7 +163,7 @@ def placed_sharding(aval: Any) -> jax.sharding.NamedSharding | None:
     if mesh is None or sharding is None:
         return None
     types = tuple(mesh.axis_types)
-    if not all(t == jax.sharding.AxisType.Explicit for t in types):
+    if not all(t == jax.sharding.AxisType.Explicit for t in types) and not _STEP_PLANNING[0]:
         warnings.warn(_AUTO_MESH, stacklevel=4)
     if not isinstance(mesh, jax.sharding.Mesh):
         mesh = _concrete_mesh(tuple(mesh.axis_sizes), tuple(mesh.axis_names), types)
@@ -190,6 +192,25 @@ def abstract(x: Any) -> jax.ShapeDtypeStruct:
     sharding = getattr(aval, "sharding", None)
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding if _mesh_of(sharding) else None,
                                 weak_type=getattr(aval, "weak_type", False))
+
+
+_STEP_PLANNING = [0]  # how many `smartremat.filter_jit` plannings are under way (in any thread)
+_STEP_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def planning_step() -> Iterator[None]:
+    """While `smartremat.filter_jit` plans a step, the warning about a mesh with Auto axes is not
+    given: it compiles the whole step with the arguments' shardings, its figures are per device,
+    and its plan says which figures are predicted for one device (`_step_plan.HIDDEN_NOTE`). A
+    process-wide count, as planning compiles candidates in worker threads."""
+    with _STEP_LOCK:
+        _STEP_PLANNING[0] += 1
+    try:
+        yield
+    finally:
+        with _STEP_LOCK:
+            _STEP_PLANNING[0] -= 1
 
 
 _AUTO_MESH = (

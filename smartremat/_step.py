@@ -9,6 +9,8 @@ with the arguments' shapes, dtypes and shardings, for the compiler's figures.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import inspect
 import threading
 import warnings
@@ -26,7 +28,7 @@ from ._apply import run
 from ._cache import KeyedCache, environment_key, measuring_options
 from ._decorator import config_of
 from ._profile import mesh_context
-from ._spec import CallSpec, abstract, is_traced, make_spec, merge_leaves
+from ._spec import CallSpec, abstract, hashable, is_traced, make_spec, merge_leaves
 
 
 @dataclass(frozen=True)
@@ -58,29 +60,38 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
         return abstract(x)
     if isinstance(x, jax.Array):
         # typed PRNG keys (`jax.random.key`) have no `weak_type`
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=getattr(x, "weak_type", False))
+        # an array on one device is placed where the step runs, as `jit` places it: only a
+        # sharding over several devices is part of the program
+        sharding = x.sharding if len(x.sharding.device_set) > 1 else None
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=getattr(x, "weak_type", False))
     return jax.ShapeDtypeStruct(np.shape(x), np.result_type(x))
 
 
 @dataclass(frozen=True)
 class Signature:
-    """The step's arguments split as `eqx.filter_jit` does: arrays traced, the rest static."""
+    """The step's arguments and the step itself split as `eqx.filter_jit` splits them: arrays
+    traced, the rest static. The step is part of it, as for `eqx.filter_jit`: a callable Module
+    (`eqx.filter_value_and_grad(loss)`, a bound method of a Module) may hold arrays and fields
+    that do not hash; its arrays are traced like the arguments' (after them)."""
 
     treedef: Any
     static: tuple
     avals: tuple[jax.ShapeDtypeStruct, ...]
     first: int = 0  # how many of `avals` belong to the first argument
+    fun_leaves: int = 0  # how many of `avals` (the last ones) belong to the step itself
 
     def donated(self, donate: str) -> tuple[int, ...]:
-        """`donate_argnums` of the flat step for `eqx.filter_jit`'s `donate=` setting."""
+        """`donate_argnums` of the flat step for `eqx.filter_jit`'s `donate=` setting (which
+        donates the step's own arrays with the arguments after the first)."""
         start = {"none": len(self.avals), "all": 0, "all-except-first": self.first}[donate]
         return tuple(range(start, len(self.avals)))
 
     def key(self) -> tuple:
-        return (self.treedef, self.static, tuple(
+        return (self.treedef, tuple((i, hashable(x)) for i, x in self.static), tuple(
             (a.shape, str(a.dtype), getattr(a, "weak_type", False), _placement(a)) for a in self.avals))
 
-    def rebuild(self, dynamic: tuple) -> tuple[tuple, dict]:
+    def rebuild(self, dynamic: tuple) -> tuple[tuple, dict, Callable]:
+        """`(args, kwargs, step)` from the traced leaves."""
         return merge_leaves(self.treedef, self.static, dynamic)
 
 
@@ -101,25 +112,85 @@ def _placement(aval: jax.ShapeDtypeStruct) -> Any:
     return sharding if sharding is not None and len(sharding.device_set) > 1 else None
 
 
-def split_args(args: tuple, kwargs: dict) -> tuple[Signature, list]:
-    leaves, treedef = jax.tree.flatten((tuple(args), dict(kwargs)))
+def split_args(fun: Callable, args: tuple, kwargs: dict) -> tuple[Signature, list]:
+    leaves, treedef = jax.tree.flatten((tuple(args), dict(kwargs), fun))
     static = tuple((i, x) for i, x in enumerate(leaves) if not is_traced(x))
     dynamic = [x for x in leaves if is_traced(x)]
     first = sum(is_traced(x) for x in jax.tree.leaves(args[0])) if args else 0
-    return Signature(treedef, static, tuple(_aval(x) for x in dynamic), first), dynamic
+    own = sum(is_traced(x) for x in jax.tree.leaves(fun))
+    return Signature(treedef, static, tuple(_aval(x) for x in dynamic), first, own), dynamic
+
+
+def step_name(fun: Any) -> str:
+    """The step as a user would name it: a function's qualified name, through `functools.partial`,
+    Equinox's gradient wrappers and bound methods (never a repr with a memory address)."""
+    for _ in range(8):
+        inner = fun.func if isinstance(fun, functools.partial) else getattr(fun, "__wrapped__", None)
+        if inner is None and isinstance(fun, eqx.Module) and not hasattr(fun, "__qualname__"):
+            inner = getattr(fun, "_fun", None)
+        if inner is None:
+            break
+        fun = inner
+    name = getattr(fun, "__qualname__", None)
+    return name if isinstance(name, str) else type(fun).__name__
 
 
 def root_modules(fun: Callable, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
-    """`(label, module)` for the outermost callable Equinox modules among the arguments."""
+    """`(label, module)` for the outermost callable Equinox modules among the arguments and in
+    the step itself (a bound method's module, a `functools.partial`'s arguments)."""
     try:
         bound = dict(inspect.signature(fun).bind(*args, **kwargs).arguments)
     except (TypeError, ValueError):
         bound = {f"args[{i}]": a for i, a in enumerate(args)} | dict(kwargs)
     found = []
-    for name, value in bound.items():  # into non-callable containers (a TrainState holding the model)
+    for name, value in [*bound.items(), *_step_parts(fun)]:  # into containers (a TrainState holding the model)
         paths = jax.tree_util.tree_flatten_with_path(value, is_leaf=_callable_module)[0]
         found += [(name + jax.tree_util.keystr(path), leaf) for path, leaf in paths if _callable_module(leaf)]
     return found
+
+
+def _step_parts(fun: Any, depth: int = 0) -> list[tuple[str, Any]]:
+    """What the step carries besides its arguments: a partial's arguments, a callable Module's
+    fields (`eqx.filter_value_and_grad(loss)`, a bound method's `__self__`, named `self`)."""
+    if depth > 4:
+        return []
+    if isinstance(fun, functools.partial):
+        return ([(f"partial.args[{i}]", a) for i, a in enumerate(fun.args)]
+                + [(f"partial.{k}", v) for k, v in fun.keywords.items()] + _step_parts(fun.func, depth + 1))
+    if isinstance(fun, eqx.Module):
+        parts = []
+        for f in dataclasses.fields(fun):
+            value = getattr(fun, f.name, None)
+            name = "self" if f.name == "__self__" else f.name
+            model = _callable_module(value) and not _function_wrapper(value)
+            parts += [(name, value)] if model or not callable(value) else _step_parts(value, depth + 1)
+        return parts
+    owner = getattr(fun, "__self__", None)
+    return [("self", owner)] if isinstance(owner, eqx.Module) else []
+
+
+def _function_wrapper(x: Any) -> bool:
+    """Equinox's own callable Modules that wrap a function (`filter_grad`, `filter_jit`, a bound
+    method, `Partial`): the step, looked through, never a model to plan."""
+    module = type(x).__module__
+    return module.startswith("equinox.") and not module.startswith("equinox.nn")
+
+
+def nested_modules(roots: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """`(label, module)` for every callable Equinox module inside the roots (the roots first):
+    a step that trains its model through a method (`model.loss(x, y)`) calls these directly."""
+    found = list(roots)
+    for label, root in roots:
+        paths = jax.tree_util.tree_flatten_with_path(root, is_leaf=lambda x: x is not root and _callable_module(x))[0]
+        for path, leaf in paths:
+            if leaf is not root and _callable_module(leaf):
+                found += nested_modules([(label + jax.tree_util.keystr(path), leaf)])
+    return found
+
+
+def root_classes(roots: list[tuple[str, Any]]) -> frozenset:
+    """The classes whose calls, made outside another planned call, `smartremat.filter_jit` plans."""
+    return frozenset(type(m) for _, m in nested_modules(roots))
 
 
 def _callable_module(x: Any) -> bool:
@@ -167,27 +238,30 @@ def traced_once(trace: Callable[[], Any], box: Box, expected: int | None) -> Any
     return out
 
 
-def _label(module: Any, owners: dict[int, str], roots: list[tuple[str, Any]], seen: dict) -> str:
-    """The argument a traced module came from: the one its arrays were taken from (through
-    `jax.grad`'s tracers), else the one of the same class and structure, else `call<k>`."""
-    leaves = [x for x in jax.tree.leaves(module) if isinstance(x, Tracer)]
-    found = (owners.get(id(_jax_private.differentiated_from(x))) for x in leaves)
-    names = {n for n in found if n is not None}
-    if len(names) != 1:
+def _leaf_ids(module: Any) -> frozenset:
+    """The step's own input tracers a traced module's arrays are (through `jax.grad`'s tracers)."""
+    return frozenset(id(_jax_private.differentiated_from(x)) for x in jax.tree.leaves(module) if isinstance(x, Tracer))
+
+
+def _label(module: Any, places: dict[frozenset, str], roots: list[tuple[str, Any]], seen: dict) -> str:
+    """Where a traced module came from: the argument (or the module inside one) whose arrays it
+    holds, else the one of the same class and structure, else `call<k>`."""
+    name = places.get(_leaf_ids(module)) if _leaf_ids(module) else None
+    if name is None:
         structure = jax.tree.structure(module)
-        names = {n for n, m in roots if type(m) is type(module) and jax.tree.structure(m) == structure}
-    name = names.pop() if len(names) == 1 else f"call{len(seen)}"
+        names = {n for n, m in nested_modules(roots) if type(m) is type(module) and jax.tree.structure(m) == structure}
+        name = names.pop() if len(names) == 1 else f"call{len(seen)}"
     seen[name] = seen.get(name, 0) + 1
     return name if seen[name] == 1 else f"{name}#{seen[name]}"
 
 
-def traced(fun: Callable, sig: Signature, context: Callable[..., _intercept.StepContext], box: Box) -> Callable:
+def traced(sig: Signature, context: Callable[..., _intercept.StepContext], box: Box) -> Callable:
     """`f(*dynamic)`: the step on the rebuilt arguments, its module calls handed to
-    `context(args, kwargs)`; returns the array part of the output (the rest goes to `box`)."""
+    `context(fun, args, kwargs)`; returns the array part of the output (the rest goes to `box`)."""
 
     def f(*dynamic: Any) -> Any:
-        args, kwargs = sig.rebuild(dynamic)
-        box.context = context(args, kwargs)
+        args, kwargs, fun = sig.rebuild(dynamic)
+        box.context = context(fun, args, kwargs)
         with _intercept.active(box.context):
             out = fun(*args, **kwargs)
         arrays, box.value = eqx.partition(out, eqx.is_array)
@@ -196,31 +270,31 @@ def traced(fun: Callable, sig: Signature, context: Callable[..., _intercept.Step
     return f
 
 
-def record(fun: Callable, sig: Signature, roots: list[tuple[str, Any]]) -> tuple[list[RootCall], Any]:
-    """Trace the step once (abstractly) and record each call of an argument module; also
-    returns the step's jaxpr (no remat)."""
+def record(sig: Signature, roots: list[tuple[str, Any]]) -> tuple[list[RootCall], Any]:
+    """Trace the step once (abstractly) and record each call of a module among its arguments
+    (or inside one, called from one of its methods); also returns the step's jaxpr (no remat)."""
     calls: list[RootCall] = []
     seen: dict = {}
-    owners: dict[int, str] = {}
+    places: dict[frozenset, str] = {}
 
     def on_root(module: Any, call: Callable, args: tuple, kwargs: dict) -> Any:
-        label = _label(module, owners, roots, seen)
+        label = _label(module, places, roots, seen)
         module, call = _root_of(module, call)
         calls.append(RootCall(label, call, make_spec(module, args, kwargs)))
         return call(module, *args, **kwargs)
 
-    def context(args: tuple, kwargs: dict) -> _intercept.StepContext:  # the traced arguments: which input arrays belong to which module
-        owners.clear()
-        for name, m in root_modules(fun, args, kwargs):
-            owners.update({id(x): name for x in jax.tree.leaves(m) if isinstance(x, Tracer)})
+    def context(fun: Callable, args: tuple, kwargs: dict) -> _intercept.StepContext:
+        places.clear()  # the traced arguments: which input arrays belong to which module
+        for name, m in reversed(nested_modules(root_modules(fun, args, kwargs))):
+            places.setdefault(_leaf_ids(m), name)
         return _intercept.StepContext(classes, on_root)
 
-    classes = frozenset(type(m) for _, m in roots)
+    classes = root_classes(roots)
     with _intercept.installed(classes), mesh_context(sig.avals), warnings.catch_warnings():
         # under an Auto mesh the module calls show no sharding: the step's compiles will (see the plan's note)
         warnings.filterwarnings("ignore", message="smartremat sees a device mesh")
         box = Box()
-        f = traced(fun, sig, context, box)
+        f = traced(sig, context, box)
         jaxpr = traced_once(lambda: (calls.clear(), seen.clear(), jax.make_jaxpr(f)(*sig.avals))[2], box, None)
     return calls, jaxpr
 
@@ -250,11 +324,11 @@ def applying(classes: frozenset, assignments: tuple) -> Callable[[], _intercept.
 _FIGURES: KeyedCache[StepFigures] = KeyedCache()
 
 
-def lower_step(fun: Callable, sig: Signature, entry_of: tuple, donate: str) -> tuple[Any, Box]:
+def lower_step(sig: Signature, entry_of: tuple, donate: str) -> tuple[Any, Box]:
     """The step lowered with `(classes, assignments)` applied: `(jax Lowered, output box)`."""
     classes, assignments = entry_of
     box = Box()
-    f = traced(fun, sig, applying(classes, assignments), box)
+    f = traced(sig, applying(classes, assignments), box)
     with _intercept.installed(classes), mesh_context(sig.avals), quiet_donation():
         jitted = jax.jit(f, donate_argnums=sig.donated(donate))
         return traced_once(lambda: jitted.lower(*sig.avals), box, len(assignments)), box
@@ -298,18 +372,18 @@ def figures_of(compiled: Any) -> StepFigures:
                        int(m.alias_size_in_bytes), int(m.generated_code_size_in_bytes))
 
 
-def step_key(fun: Callable, sig: Signature, entry_of: tuple, donate: str) -> tuple:
-    """What a compiled step depends on: the step, its signature, the plan of each module call,
+def step_key(sig: Signature, entry_of: tuple, donate: str) -> tuple:
+    """What a compiled step depends on: its signature (the step's included), the plan of each module call,
     the donation, the backend and the flags (a key for `step_figures` and `tune=True`'s times)."""
     from ._verify import _assignment_key
 
-    return (fun, sig.key(), tuple(_assignment_key(a) for a in entry_of[1]), donate, *environment_key())
+    return (sig.key(), tuple(_assignment_key(a) for a in entry_of[1]), donate, *environment_key())
 
 
-def step_figures(fun: Callable, sig: Signature, entry_of: tuple, donate: str) -> StepFigures:
+def step_figures(sig: Signature, entry_of: tuple, donate: str) -> StepFigures:
     """Figures of the compiled step, cached by `step_key`."""
-    return _FIGURES.get(step_key(fun, sig, entry_of, donate), lambda: figures_of(
-        compile_quietly(lower_step(fun, sig, entry_of, donate)[0], measuring_options())))
+    return _FIGURES.get(step_key(sig, entry_of, donate), lambda: figures_of(
+        compile_quietly(lower_step(sig, entry_of, donate)[0], measuring_options())))
 
 
 def compile_quietly(lowered: Any, options: dict[str, Any] | None = None) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,8 +16,8 @@ import jax
 from . import _disk, _planner
 from ._plan import MB, Plan
 from ._solve import min_peak, solve
-from ._spec import shardings_hidden
-from ._step import Signature, StepFigures, compile_quietly, lower_step, record, step_figures, step_key
+from ._spec import planning_step, shardings_hidden
+from ._step import Signature, StepFigures, compile_quietly, lower_step, record, root_classes, step_figures, step_key, step_name
 from ._tune import Timed, timings
 
 
@@ -99,8 +100,14 @@ def plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], confi
               options: StepOptions) -> Entry:
     """The step's plan from the disk cache (`_disk`) if it holds one for this key, else a new
     plan, stored there."""
+    with planning_step():
+        return _stored_or_planned(fun, sig, roots, config, options)
+
+
+def _stored_or_planned(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], config: _planner.Config,
+                       options: StepOptions) -> Entry:
     t0 = time.perf_counter()
-    calls, jaxpr = record(fun, sig, roots)
+    calls, jaxpr = record(sig, roots)
     if not calls:
         raise ValueError(_no_module_call(fun, roots, "smartremat.filter_jit"))
     limit = _device_limit(sig) if options.auto else None  # an automatic budget depends on it
@@ -109,7 +116,7 @@ def plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], confi
     if stored is not None:
         plan, assignments = stored
         return Entry(_disk.loaded(plan, time.perf_counter() - t0), assignments,
-                     frozenset(type(m) for _, m in roots), sig)
+                     root_classes(roots), sig)
     entry = _plan_step(fun, sig, roots, calls, config, options)
     _disk.store(text if not _planner.untimed(config, entry.plan) else None, entry.plan, entry.assignments)
     return entry
@@ -120,20 +127,20 @@ def _plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], call
     """Record the module calls, build and join their models, verify candidates on the step."""
     t0 = time.perf_counter()
     labels = [c.label for c in calls]
-    progress = _planner.progress_log(getattr(fun, "__qualname__", "step"), t0)
+    progress = _planner.progress_log(step_name(fun), t0)
     model = joined_model([_planner.build_model(c.call, c.spec, c.spec.rebuild(c.spec.dynamic)[0], config, progress)
                           for c in calls], labels)
-    classes = frozenset(type(m) for _, m in roots)
+    classes = root_classes(roots)
     stages = model.stages
 
     name = "smartremat.filter_jit"
 
     def measure(choice: tuple[int, ...]) -> tuple[int, float]:
-        f = step_figures(fun, sig, (classes, split_assignment(model, choice, labels)), options.donate)
+        f = step_figures(sig, (classes, split_assignment(model, choice, labels)), options.donate)
         return f.temp, f.flops
 
     none = (0,) * len(stages)
-    base = step_figures(fun, sig, (classes, split_assignment(model, none, labels)), options.donate)
+    base = step_figures(sig, (classes, split_assignment(model, none, labels)), options.donate)
     if options.auto:
         budget = auto_budget(sig, base, name)
         config = dataclasses.replace(config, budget_bytes=budget, budget_mb=budget / MB)
@@ -146,7 +153,10 @@ def _plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], call
         return timings([_timed_entry(fun, sig, (classes, split_assignment(model, c, labels)), options.donate)
                         for c in choices])
 
-    sol, outcome = _planner.verified(model, config, measure, lambda floor: _too_low(fun, config, floor, name, options.auto),
+    reasons = _planner.unplanned(model)
+    sol, outcome = _planner.verified(model, config, measure,
+                                     lambda floor: _too_low(fun, config, floor, name, options.auto,
+                                                            reasons + _no_saving(floor, base.temp)),
                                      sol, lowest, progress, time_of=time_of if config.tune else None)
     plan = _planner.assemble(model, config, sol, lowest, outcome, time.perf_counter() - t0,
                              _signature(fun, sig))
@@ -158,8 +168,8 @@ def _plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], call
 def _timed_entry(fun: Callable, sig: Signature, entry_of: tuple, donate: str) -> Timed:
     """The whole step under `entry_of`, as `_tune.timings` times it: lowered and compiled as it
     runs, its donated arguments consumed by each call."""
-    build = lambda: compile_quietly(lower_step(fun, sig, entry_of, donate)[0])  # noqa: E731
-    return Timed(step_key(fun, sig, entry_of, donate), build, sig.avals, sig.donated(donate))
+    build = lambda: compile_quietly(lower_step(sig, entry_of, donate)[0])  # noqa: E731
+    return Timed(step_key(sig, entry_of, donate), build, sig.avals, sig.donated(donate))
 
 
 def with_tail(model: _planner.MemoryModel, temp: int) -> _planner.MemoryModel:
@@ -191,26 +201,36 @@ def _sharded(aval: jax.ShapeDtypeStruct) -> bool:
 
 
 def _signature(fun: Callable, sig: Signature) -> str:
-    text = repr((getattr(fun, "__qualname__", repr(fun)), str(sig.treedef),
+    text = repr((step_name(fun), re.sub(r" at 0x[0-9a-fA-F]+", "", str(sig.treedef)),
                  [(a.shape, str(a.dtype)) for a in sig.avals], jax.default_backend()))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _too_low(fun: Callable, config: _planner.Config, floor: int, name: str, auto: bool) -> ValueError:
+def _no_saving(floor: int, plain: int) -> tuple[str, ...]:
+    """Where no plan saves anything, a sentence saying so (the error then states the plain temp)."""
+    if floor < plain:
+        return ()
+    return (f"no remat plan takes this step below its temp without remat ({plain / MB:.3f} MB): its peak "
+            "is set outside the module calls smartremat checkpoints (the loss, the optimizer update, or "
+            "work inside a loop of the step)",)
+
+
+def _too_low(fun: Callable, config: _planner.Config, floor: int, name: str, auto: bool,
+             reasons: tuple[str, ...] = ()) -> ValueError:
     up = -(-floor * 100 // MB) / 100
     asked = f'"auto"` ({config.budget_mb:.1f} MB of the device left for it)' if auto else f"{config.budget_mb:g})`"
     return ValueError(
         f"`{name}(budget_mb={asked} is below the lowest temp memory any remat plan reaches "
-        f"for the step `{getattr(fun, '__qualname__', fun)}` on these arguments: {floor / MB:.3f} MB (compiled "
+        f"for the step `{step_name(fun)}` on these arguments: {floor / MB:.3f} MB (compiled "
         f"temp bytes of the whole step, per device). Raise `budget_mb` to at least {up:.2f}, lower the "
-        "batch size, or shard the batch over more devices.")
+        "batch size, or shard the batch over more devices." + _planner.unplanned_text(reasons))
 
 
 def _no_module_call(fun: Callable, roots: list[tuple[str, Any]], name: str) -> str:
     found = ", ".join(f"{n} ({type(m).__name__})" for n, m in roots) or "none"
     return (
         f"`{name}` found no call of an Equinox module among the arguments of "
-        f"`{getattr(fun, '__qualname__', fun)}` (modules among its arguments: {found}). It plans the "
+        f"`{step_name(fun)}` (modules among its arguments: {found}). It plans the "
         "modules the step calls (`model(x)`, possibly under `jax.vmap` or `eqx.filter_grad`): pass the "
         "model as an argument of the step and call it there, or use `eqx.filter_jit` for a step "
         "without one.")

@@ -86,16 +86,39 @@ def test_scanned_plans_fit_the_compiler_and_keep_gradients(fraction):
 
 
 class WhileStack(eqx.Module):
+    """A layer stepped by a differentiable while loop (Equinox's checkpointed `while_loop`, which
+    diffrax's solvers use): the loop runs an unknown number of times."""
+
     layer: eqx.nn.Linear
+    head: eqx.nn.Linear
 
-    def __call__(self, x, n):
-        return jax.lax.fori_loop(0, n, lambda i, h: self.layer(h), x)
+    def __call__(self, x):
+        loop = eqx.internal.while_loop(lambda c: c[0] < 4, lambda c: (c[0] + 1, jnp.tanh(self.layer(c[1]))),
+                                       (0, x), max_steps=4, kind="checkpointed")
+        return self.head(loop[1])
 
 
-def test_block_in_while_loop_is_refused():
-    model = WhileStack(eqx.nn.Linear(8, 8, key=jax.random.key(0)))
-    with pytest.raises(NotImplementedError, match=r"found the block layer \(Linear\) called inside a while loop"):
-        smartremat.explain(model, jnp.ones(8), jnp.int32(3), budget_mb=1)
+def test_block_in_while_loop_is_left_alone_and_the_error_says_why():
+    """Issue 28 item 6: the block in the loop is left as it runs, the other is planned, and a
+    budget too low for the step names the block, the loop and what to do, on every try (JAX's
+    caches of the loop's trace cleared or not)."""
+    model = WhileStack(eqx.nn.Linear(64, 64, key=jax.random.key(0)), eqx.nn.Linear(64, 64, key=jax.random.key(1)))
+    x = jnp.ones((32, 64), jnp.float32)
+    step = eqx.filter_value_and_grad(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2))
+    messages = []
+    for clear in (False, True, False):
+        if clear:
+            jax.clear_caches()
+            smartremat.clear_caches()
+        with pytest.raises(ValueError, match=r"at least .* the block layer \(Linear\) is called inside a "
+                           r"`jax.lax.while_loop`.*RecursiveCheckpointAdjoint") as info:
+            smartremat.filter_jit(step, budget_mb=1e-3)(model, x)
+        messages.append(str(info.value))
+    assert len(set(messages)) == 1
+    plan = smartremat.filter_jit(step, budget_mb=100).plan(model, x)
+    assert any("layer (Linear) is called inside" in n for n in plan.notes)
+    assert "head" in str(plan) and "layer" not in [b.path for b in plan.blocks]
+    assert tree_allclose(smartremat.filter_jit(step, budget_mb=100)(model, x), eqx.filter_jit(step)(model, x))
 
 
 def test_scan_segments_is_checked():
@@ -186,3 +209,34 @@ def test_scanned_block_under_an_outer_vmap_is_planned_with_the_batch():
     assert tree_allclose(got.module, eqx.filter_grad(loss)(model, x))
     plan = smartremat.explain(wrapped, x, vmap=True)
     assert plan.compiled_peak_bytes <= plan.budget_bytes and any(b.policy != "none" for b in plan.blocks)
+
+class _GRU(eqx.Module):
+    """A `GRUCell` closed over by a `jax.lax.scan` over time (its checkpointed body closes over
+    the cell's arrays in another order than the plain one)."""
+
+    cell: eqx.nn.GRUCell
+    out: eqx.nn.Linear
+
+    def __call__(self, xs):
+        h = jax.lax.scan(lambda h, x: (self.cell(x, h), None), jnp.zeros(64, jnp.float32), xs)[0]
+        return self.out(h)
+
+
+def test_split_scan_over_a_closed_over_cell_builds_and_stays_monotone():
+    """Issue 28 item 4: at 90% of the no-remat temp this raised "the scan's operands differ";
+    every budget now plans, fits, gives the plain answer, and a larger budget never gets a plan
+    that recomputes more."""
+    model = _GRU(eqx.nn.GRUCell(32, 64, key=jax.random.key(0)), eqx.nn.Linear(64, 4, key=jax.random.key(1)))
+    xs = jnp.linspace(-1, 1, 16 * 50 * 32, dtype=jnp.float32).reshape(16, 50, 32)
+    y = jnp.ones((16, 4), jnp.float32)
+    step = eqx.filter_value_and_grad(lambda m, xs, y: jnp.mean((jax.vmap(m)(xs) - y) ** 2))
+    plain = eqx.filter_jit(step).lower(model, xs, y).compile().compiled.memory_analysis().temp_size_in_bytes
+    expected = eqx.filter_jit(step)(model, xs, y)
+    recompute = []
+    for fraction in (0.5, 0.7, 0.9, 0.95):
+        planned = smartremat.filter_jit(step, budget_mb=plain * fraction / smartremat.MB)
+        temp = planned.lower(model, xs, y).compile().memory_analysis().temp_size_in_bytes
+        assert temp <= plain * fraction
+        assert tree_allclose(planned(model, xs, y), expected)
+        recompute.append(planned.plan(model, xs, y).recompute_flops)
+    assert recompute == sorted(recompute, reverse=True) and recompute[-1] < recompute[0]

@@ -270,3 +270,28 @@ def test_candidates_within_the_tie_margin_go_to_the_fewest_temp_bytes(uniform_fl
     assert (2.005 - 2.0) / 2.0 < TIE_MARGIN
     assert _chosen(SimpleNamespace(figures=figures), 20, lambda c, f: f, [(100,)]) == want
     assert _chosen(SimpleNamespace(figures=figures), 9, lambda c, f: f, [(100,)]) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=2, max_size=16), st.floats(0.3, 3.0), st.data())
+def test_candidates_that_cannot_be_built_are_skipped_not_raised(steps, ratio, data):
+    """A candidate whose `measure` raises `Unbuildable` (a scan split whose pieces take different
+    operands) is skipped: the search returns the best of the others and counts the skipped."""
+    from smartremat._search import Unbuildable
+
+    temps = [sum(steps[: i + 1]) for i in range(len(steps))]
+    broken = set(data.draw(st.sets(st.integers(0, len(temps) - 2), max_size=len(temps) - 1)))
+    budget = data.draw(st.integers(temps[-1], temps[-1] + 50))  # the last point (never broken) fits
+    flops = [float(len(temps) - i) for i in range(len(temps))]
+
+    def measure(choice):
+        if choice[0] in broken:
+            raise Unbuildable("cannot split")
+        return temps[choice[0]], flops[choice[0]]
+
+    out = search([(i,) for i in range(len(temps))], [], Estimates(lambda c: temps[c[0]] * ratio, lambda c: flops[c[0]]),
+                 budget, measure, lambda c, f: f, lambda floor: ValueError(f"floor {floor}"), lambda _: None)
+    fits = [i for i in range(len(temps)) if i not in broken and temps[i] <= budget]
+    assert out.choice[0] not in broken and out.compiled[0] <= budget
+    assert out.choice == (max(fits),)  # the cheapest buildable plan that fits
+    assert out.skipped == len(broken & {c[0] for c in out.measured})

@@ -1,0 +1,307 @@
+"""Hold one fuzz case against smartremat's invariants.
+
+For a case (`grammar.Case`) the plain step `eqx.filter_jit(step)` gives the reference answer and
+the temp bytes without remat; `smartremat.filter_jit(step, budget_mb=TINY)` gives the stated floor
+(the documented `ValueError`, "... Raise `budget_mb` to at least X"); the budget is drawn between
+the two (`case.budget`), and then:
+
+- (a) `exception`: nothing raises but the documented errors (a `ValueError` stating a minimum);
+- (b) `mismatch`: every array the planned step returns equals the plain step's
+  (`tests.helpers.tree_mismatches`);
+- (c) `over budget`: the compiled temp bytes of the planned step fit the budget;
+- (d) `unreachable`: the figure `smartremat.explain` prints as "lowest reachable" is not below
+  the compiled floor, its "compiled" figure is not below the step's, and a budget at or above
+  the stated floor is planned (with `case.budget == 0` the budget is the stated "at least" figure
+  itself, so the statement is held to its word).
+
+The budget lies between the floor (its exact figure, given to 3 decimals, plus the half unit
+of rounding) and the plain temp. Exceptions end a case; the other failures are all collected.
+
+With `case.path == "decorator"` the model is wrapped by `smartremat.smartremat(budget_mb=...)`
+and run in the plain `eqx.filter_jit` step: (a) and (b) are checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+import traceback
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import smartremat
+from smartremat import MB
+from tests.fuzz.grammar import DTYPES, LR, Built, Case, build
+from tests.helpers import MISMATCH_RTOL, tree_mismatches
+
+#: The budget (MB) that is below every step's floor: planning at it states the floor.
+TINY_MB = 1e-6
+
+#: Failure classes: `grammar` (the plain step failed: a case the grammar should not build) and
+#: `harness` (the checker itself raised) are the fuzzer's own; the others are the library's.
+CLASSES = ("grammar", "harness", "exception", "unreachable", "over budget", "mismatch")
+
+
+@dataclass
+class Outcome:
+    """What checking a case found: `failures` holds one `Failed` per invariant broken (empty:
+    passed); each names its class (`CLASSES`) and, more finely, a key (for an exception its type
+    and message with numbers masked)."""
+
+    case: Case
+    failures: list[Failed] = field(default_factory=list)
+    seconds: float = 0.0
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def fail(self, failure: Failed) -> None:
+        self.failures.append(failure)
+
+    def report(self) -> str:
+        return "\n".join(f"[{f.kind}] {f.key}\n{f.detail}" for f in self.failures)
+
+
+class Failed(Exception):
+    """An invariant failed: `kind` is one of `CLASSES`."""
+
+    def __init__(self, kind: str, key: str, detail: str):
+        super().__init__(detail)
+        self.kind, self.key, self.detail = kind, key, detail
+
+
+def check_case(case: Case) -> Outcome:
+    """Check `case`; never raises for a failure of the library (the `Outcome` says it)."""
+    t0 = time.perf_counter()
+    outcome = Outcome(case)
+    try:
+        with promotion(case), warnings.catch_warnings():
+            # a donated input or target that no output can reuse: JAX's notice, not a failure
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            _check(case, outcome)
+    except Failed as f:
+        outcome.fail(f)
+    except Exception as e:  # a bug of the fuzzer itself, reported as such
+        outcome.fail(Failed("harness", _key(e), _trace(e)))
+    outcome.seconds = time.perf_counter() - t0
+    return outcome
+
+
+def assert_case(case: Case) -> Outcome:
+    """`check_case`, raising `AssertionError` with the case and what failed (for tests, reproducers)."""
+    outcome = check_case(case)
+    assert outcome.ok, f"{case}\n{outcome.report()}"
+    return outcome
+
+
+@contextlib.contextmanager
+def promotion(case: Case) -> Iterator[None]:
+    """Standard dtype promotion for cases whose third-party code needs it (optax's Adam bias
+    correction), set globally as `tests/conftest.py`'s fixture does; strict otherwise."""
+    before = jax.config.jax_numpy_dtype_promotion
+    jax.config.update("jax_numpy_dtype_promotion", "standard" if case.step in ("adam", "adamw") else "strict")
+    try:
+        yield
+    finally:
+        jax.config.update("jax_numpy_dtype_promotion", before)
+
+
+def _check(case: Case, outcome: Outcome) -> None:
+    built, plain, plain_temp, expected = _reference(case)
+    donate = "all" if case.donate else "none"
+    floor_mb, floor_up = _floor(built, donate)
+    budget = budget_of(case.budget, floor_mb, floor_up, plain_temp / MB)
+    outcome.figures.update(plain_mb=plain_temp / MB, floor_mb=floor_mb, budget_mb=budget)
+    if case.path == "decorator":
+        _soft(outcome, lambda: _check_decorator(case, built, budget, expected))
+        return
+    planned = _guard(lambda: smartremat.filter_jit(built.step, budget_mb=budget, donate=donate))
+    temp = _planned_temp(planned, built, budget)
+    outcome.figures["planned_mb"] = temp / MB
+    _soft(outcome, lambda: _check_fit(temp, budget, " (at the stated floor)" if case.budget == 0 else ""))
+    actual = _guard(lambda: planned(*fresh(built.args)))
+    _soft(outcome, lambda: _compare(case, actual, expected))
+    plan = _guard(lambda: smartremat.explain(planned, *built.args))
+    _soft(outcome, lambda: _check_figures(plan, temp, floor_mb))
+
+
+def budget_of(frac: float, floor_mb: float, floor_up: float, plain_mb: float) -> float:
+    """The budget `frac` of the way from the floor to the plain temp; at 0, the stated "at least"
+    figure. The exact floor is given to 3 decimals: half a unit is added, so it is not below."""
+    if frac == 0 or floor_up == 0:
+        return floor_up if floor_up else plain_mb
+    low = floor_mb + 0.0005
+    return low + frac * max(plain_mb - low, 0.0)
+
+
+def _soft(outcome: Outcome, check: Any) -> None:
+    """Run an invariant check; its failure is recorded and the case goes on."""
+    try:
+        check()
+    except Failed as f:
+        outcome.fail(f)
+
+
+def _reference(case: Case) -> tuple[Built, Any, int, Any]:
+    """The built case, the plain step, its compiled temp bytes and its outputs; a failure here is
+    the fuzzer's own (`grammar`)."""
+    try:
+        built = build(case)
+        plain = eqx.filter_jit(built.step, donate="all" if case.donate else "none")
+        temp = plain.lower(*built.args).compile().compiled.memory_analysis().temp_size_in_bytes
+        expected = plain(*fresh(built.args))
+    except Exception as e:  # the plain step must run: otherwise the grammar built something invalid
+        raise Failed("grammar", _key(e), _trace(e)) from e
+    return built, plain, temp, expected
+
+
+def fresh(args: tuple) -> tuple:
+    """Copies of the arrays in `args` (a donating step consumes its arguments)."""
+    return jax.tree.map(lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array) else a, args)
+
+
+def _floor(built: Built, donate: str) -> tuple[float, float]:
+    """`(exact floor MB, floor MB rounded up)` stated by the error for a tiny budget; (0, 0) when a
+    tiny budget plans."""
+    step = smartremat.filter_jit(built.step, budget_mb=TINY_MB, donate=donate)
+    try:
+        step.lower(*built.args)
+    except ValueError as e:
+        exact = re.search(r"reach(?:es)?[^:]*: ([0-9.]+) MB", str(e))
+        up = re.search(r"at least ([0-9.]+)", str(e))
+        if not (exact and up):
+            raise Failed("exception", _key(e), _trace(e)) from e
+        return float(exact.group(1)), float(up.group(1))
+    except Exception as e:
+        raise Failed("exception", _key(e), _trace(e)) from e
+    return 0.0, 0.0
+
+
+def _guard(fun: Any) -> Any:
+    """`fun()`; an exception is a failure (a), a documented `ValueError` included: every budget
+    the fuzzer asks for is at least the stated floor."""
+    try:
+        return fun()
+    except Exception as e:
+        raise Failed("exception", _key(e), _trace(e)) from e
+
+
+def _planned_temp(planned: Any, built: Built, budget: float) -> int:
+    try:
+        return planned.lower(*built.args).compile().memory_analysis().temp_size_in_bytes
+    except ValueError as e:
+        if "at least" in str(e):
+            raise Failed("unreachable", "a budget at or above the stated floor was refused",
+                         f"budget {budget:.4f} MB\n{_trace(e)}") from e
+        raise Failed("exception", _key(e), _trace(e)) from e
+    except Exception as e:
+        raise Failed("exception", _key(e), _trace(e)) from e
+
+
+def _check_fit(temp: int, budget: float, what: str) -> None:
+    if temp > budget * MB:
+        raise Failed("over budget", f"compiled temp above the budget{what}",
+                     f"compiled temp {temp / MB:.4f} MB > budget {budget:.4f} MB{what}")
+
+
+def _compare(case: Case, actual: Any, expected: Any) -> None:
+    unwrap = lambda t: jax.tree.map(  # noqa: E731
+        lambda x: x.module if isinstance(x, smartremat.SmartRemat) else x, t,
+        is_leaf=lambda x: isinstance(x, smartremat.SmartRemat))
+    actual, expected = unwrap(actual), unwrap(expected)
+    grads, dtype = _grads_like(case, actual, expected), DTYPES[case.dtype]
+    if case.step in ("adam", "adamw"):  # new parameters: rule 5 (Adam's normalised step); the rest tightly
+        found = tree_mismatches(actual[1], expected[1], grads=grads, compute_dtype=dtype, step_size=LR[case.step])
+        rest = lambda out: out[:1] + out[2:]  # noqa: E731
+        found = [f"[1]{m}" for m in found] + tree_mismatches(  # nu squares the gradient: twice its ulps
+            rest(actual), rest(expected), grads=grads, compute_dtype=dtype, rtol=2 * MISMATCH_RTOL)
+    else:
+        found = tree_mismatches(actual, expected, grads=grads, compute_dtype=dtype)
+    if found:
+        worst = max(_relative(m) for m in found)
+        size = "by at most 1e-5" if worst <= 1e-5 else "by more than 1e-5"
+        raise Failed("mismatch", f"outputs differ from the plain step's {size} of a leaf's scale",
+                     "\n".join(found[:12]))
+
+
+def _relative(mismatch: str) -> float:
+    """The worst difference of a `tree_mismatches` line over its leaf's scale (inf when it has none)."""
+    m = re.search(r"x ([0-9.e+-]+) \(.*worst at [^:]*: ([0-9.e+-]+|nan|inf|-inf) vs ([0-9.e+-]+|nan|inf|-inf)", mismatch)
+    if m is None:
+        return float("inf")
+    scale, a, b = (float(g) for g in m.groups())
+    return abs(a - b) / scale if scale and abs(a - b) == abs(a - b) else float("inf")
+
+
+def _grads_like(case: Case, actual: Any, expected: Any) -> tuple[Any, Any] | None:
+    """Trees proportional to the two runs' gradients: the gradient, or the optimizer's first
+    moment / momentum (one step from zero)."""
+    def pick(out: Any) -> Any:
+        if case.step == "grad":
+            return out[0]
+        if case.step in ("value_and_grad", "jax_grad", "tutorial"):
+            return out[1]
+        first = out[2][0]
+        return first.trace if case.step == "sgd" else first.mu
+
+    return pick(actual), pick(expected)
+
+
+def _check_figures(plan: smartremat.Plan, temp: int, floor_mb: float) -> None:
+    """(d): the printed "lowest reachable" is not below what the compiler reaches (the stated
+    floor, given to 3 decimals), and the printed "compiled" figure is the step's."""
+    text = str(plan)
+    claims = "lowest reachable" in text  # a figure printed as the model's alone claims nothing
+    lowest = plan.min_peak_bytes / MB  # printed as "lowest reachable" (2 decimals)
+    if claims and floor_mb > 0 and lowest + 0.0005 < floor_mb:
+        raise Failed("unreachable", "explain's lowest reachable is below the compiled floor",
+                     f"explain prints lowest reachable {lowest:.4f} MB; the compiled floor stated by the "
+                     f"error is {floor_mb:.3f} MB (+{100 * (floor_mb / max(lowest, 1e-9) - 1):.0f}%)\n{text}")
+    for predicted, compiled in plan.checked:  # the lowest plan, where the search compiled it
+        if claims and predicted == plan.min_peak_bytes and compiled > predicted:
+            raise Failed("unreachable", "explain's lowest reachable is below the compiled temp of that plan",
+                         f"explain prints lowest reachable {predicted / MB:.4f} MB; that plan compiles to "
+                         f"{compiled / MB:.4f} MB (+{100 * (compiled / max(predicted, 1) - 1):.0f}%)\n{text}")
+    if plan.compiled_peak_bytes is not None and plan.compiled_peak_bytes < temp:
+        raise Failed("unreachable", "explain's compiled figure is below the step's compiled temp",
+                     f"explain: compiled {plan.compiled_peak_bytes / MB:.4f} MB; step: {temp / MB:.4f} MB\n{text}")
+
+
+def _check_decorator(case: Case, built: Built, budget: float, expected: Any) -> None:
+    """The instance wrapper in a plain `eqx.filter_jit` step: runs (or refuses with the
+    documented error) and gives the plain answer."""
+    model = smartremat.smartremat(budget_mb=budget)(built.model)
+    args = dict(zip(built.names, (model,) + fresh(built.args[1:])))
+    if built.opt is not None:  # as a user would: the optimizer state of the wrapped model
+        args["opt_state"] = built.opt.init(eqx.filter(model, eqx.is_array))
+    args = tuple(args.values())
+    try:
+        actual = eqx.filter_jit(built.step, donate="all" if case.donate else "none")(*args)
+    except ValueError as e:
+        if "at least" in str(e):  # the decorator's budget counts the module only: a refusal is documented
+            return
+        raise Failed("exception", _key(e), _trace(e)) from e
+    except Exception as e:
+        raise Failed("exception", _key(e), _trace(e)) from e
+    _compare(case, actual, expected)
+
+
+def _key(e: BaseException) -> str:
+    """The exception's type and first line, numbers and addresses masked: one key per failure class."""
+    line = next((s for s in str(e).splitlines() if s.strip()), "")
+    line = re.sub(r"0x[0-9a-f]+", "0x…", line)
+    line = re.sub(r"\d+(\.\d+)?", "N", line)
+    return f"{type(e).__name__}: {line[:160]}"
+
+
+def _trace(e: BaseException) -> str:
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__)[-6:])
