@@ -42,11 +42,14 @@ test-oldest: $(OLDEST)/bin/activate
 # The model fuzzer (tests/fuzz/): COUNT cases of Equinox idioms drawn from SEED (from the clock when
 # empty), each held against the invariants (no undocumented error, the plain step's answer, compiled
 # temp within budget, explain's figures reachable); each failure class is shrunk and written as a
-# standalone reproducer into fuzz-failures/. CI runs a fixed subset (tests/test_fuzz.py).
+# standalone reproducer into fuzz-failures/. CI runs a fixed subset (tests/test_fuzz.py). JOBS worker
+# processes; START: the first case's index, to go on with a run cut short.
 SEED ?=
 COUNT ?= 2000
+JOBS ?= 1
+START ?= 0
 fuzz: $(BIN)/activate
-	XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander SMARTREMAT_DISK_CACHE=0 $(BIN)/python -m tests.fuzz.run $(if $(SEED),--seed $(SEED)) --count $(COUNT)
+	XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander SMARTREMAT_DISK_CACHE=0 $(BIN)/python -m tests.fuzz.run $(if $(SEED),--seed $(SEED)) --count $(COUNT) --start $(START) --jobs $(JOBS)
 
 clean:
 	rm -rf $(VENV) $(OLDEST)

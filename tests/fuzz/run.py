@@ -4,7 +4,10 @@ each failure class's first case, shrunk, as a standalone reproducer into `--out`
 Run from the repository root with the CPU flag set before JAX starts (the Makefile does):
 
     XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander SMARTREMAT_DISK_CACHE=0 \\
-        .venv/bin/python -m tests.fuzz.run --seed 1 --count 2000
+        .venv/bin/python -m tests.fuzz.run --seed 1 --count 2000 --jobs 2
+
+`--jobs n` checks cases in `n` processes (each compiles on every core as well); `--start k` begins at
+case `k` of the seed's sequence, so a run cut short goes on where it stopped.
 """
 
 from __future__ import annotations
@@ -12,12 +15,15 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import multiprocessing
 import os
 import re
 import statistics
 import sys
 import time
 import warnings
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 
 FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
 
@@ -35,6 +41,22 @@ _environment()
 
 from tests.fuzz.check import CLASSES, Outcome, check_case  # noqa: E402
 from tests.fuzz.grammar import CHOICES, Case, case_at, normalise  # noqa: E402
+
+
+def check_at(seed: int, index: int) -> Outcome:
+    """`check_case(case_at(seed, index))`, warnings ignored (a worker process's entry)."""
+    warnings.simplefilter("ignore")  # smartremat's and JAX's warnings are not failures here
+    return check_case(case_at(seed, index))
+
+
+def outcomes(seed: int, indexes: range, jobs: int) -> Iterator[tuple[int, Outcome]]:
+    """`(index, outcome)` of each case, in order; in `jobs` processes when more than one."""
+    if jobs <= 1:
+        yield from ((i, check_at(seed, i)) for i in indexes)
+        return
+    context = multiprocessing.get_context("spawn")  # JAX is not fork-safe; each worker sets the flag itself
+    with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        yield from zip(indexes, pool.map(check_at, [seed] * len(indexes), indexes))
 
 
 def signature(outcome: Outcome) -> set[tuple[str, str]]:
@@ -135,27 +157,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=None, help="the run's seed (default: from the clock)")
     parser.add_argument("--count", type=int, default=2000, help="cases to check (default 2000)")
+    parser.add_argument("--start", type=int, default=0, help="the first case's index in the seed's sequence")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     parser.add_argument("--out", default="fuzz-failures", help="folder for reproducers (default fuzz-failures/)")
     parser.add_argument("--no-shrink", action="store_true", help="write reproducers of the cases as drawn")
     parser.add_argument("--shrink-seconds", type=float, default=300.0, help="time to shrink one failure class")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else int(time.time()) % 100_000
-    print(f"smartremat fuzz: --seed {seed} --count {args.count} (reproducers into {args.out}/)", flush=True)
+    print(f"smartremat fuzz: --seed {seed} --count {args.count} --start {args.start} --jobs {args.jobs} "
+          f"(reproducers into {args.out}/)", flush=True)
     warnings.simplefilter("ignore")  # smartremat's and JAX's warnings are not failures here
-    outcomes: list[Outcome] = []
+    done: list[Outcome] = []
     found: dict[tuple[str, str], list[int]] = {}
     written: dict[tuple[str, str], str] = {}
-    for i in range(args.count):
-        case = case_at(seed, i)
-        outcome = check_case(case)
-        outcomes.append(outcome)
+    for i, outcome in outcomes(seed, range(args.start, args.start + args.count), args.jobs):
+        done.append(outcome)
         status = "ok" if outcome.ok else "FAIL " + "; ".join(f"[{k}] {key}" for k, key in sorted(signature(outcome)))
-        print(f"[{i + 1}/{args.count}] {outcome.seconds:5.1f}s {status}  {' '.join(case.idioms())}", flush=True)
+        print(f"[{i + 1 - args.start}/{args.count}] case {i} {outcome.seconds:5.1f}s {status}  "
+              f"{' '.join(outcome.case.idioms())}", flush=True)
         for target in sorted(signature(outcome)):
             found.setdefault(target, []).append(i)
             if target not in written:
                 written[target] = _reproduce(args, outcome, target, {"seed": seed, "count": args.count, "index": i})
-    print(summary(outcomes, found, written), flush=True)
+    print(summary(done, found, written), flush=True)
     return 1 if found else 0
 
 
