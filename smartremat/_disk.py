@@ -87,6 +87,11 @@ def _source(obj: Any) -> str | None:
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
+def without_addresses(text: str) -> str:
+    """`text` with the memory addresses of reprs (` at 0x...`) removed: the same in every process."""
+    return _ADDRESS.sub("", text)
+
+
 def _program(jaxpr: Any) -> str:
     """A hash of a traced program's text (memory addresses removed): what the step computes,
     static arguments, helper functions and fields of the modules included."""

@@ -78,7 +78,6 @@ class Signature:
     static: tuple
     avals: tuple[jax.ShapeDtypeStruct, ...]
     first: int = 0  # how many of `avals` belong to the first argument
-    fun_leaves: int = 0  # how many of `avals` (the last ones) belong to the step itself
 
     def donated(self, donate: str) -> tuple[int, ...]:
         """`donate_argnums` of the flat step for `eqx.filter_jit`'s `donate=` setting (which
@@ -117,8 +116,7 @@ def split_args(fun: Callable, args: tuple, kwargs: dict) -> tuple[Signature, lis
     static = tuple((i, x) for i, x in enumerate(leaves) if not is_traced(x))
     dynamic = [x for x in leaves if is_traced(x)]
     first = sum(is_traced(x) for x in jax.tree.leaves(args[0])) if args else 0
-    own = sum(is_traced(x) for x in jax.tree.leaves(fun))
-    return Signature(treedef, static, tuple(_aval(x) for x in dynamic), first, own), dynamic
+    return Signature(treedef, static, tuple(_aval(x) for x in dynamic), first), dynamic
 
 
 def step_name(fun: Any) -> str:
@@ -246,7 +244,8 @@ def _leaf_ids(module: Any) -> frozenset:
 def _label(module: Any, places: dict[frozenset, str], roots: list[tuple[str, Any]], seen: dict) -> str:
     """Where a traced module came from: the argument (or the module inside one) whose arrays it
     holds, else the one of the same class and structure, else `call<k>`."""
-    name = places.get(_leaf_ids(module)) if _leaf_ids(module) else None
+    ids = _leaf_ids(module)
+    name = places.get(ids) if ids else None
     if name is None:
         structure = jax.tree.structure(module)
         names = {n for n, m in nested_modules(roots) if type(m) is type(module) and jax.tree.structure(m) == structure}

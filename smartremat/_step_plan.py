@@ -201,7 +201,7 @@ def _sharded(aval: jax.ShapeDtypeStruct) -> bool:
 
 
 def _signature(fun: Callable, sig: Signature) -> str:
-    text = repr((step_name(fun), re.sub(r" at 0x[0-9a-fA-F]+", "", str(sig.treedef)),
+    text = repr((step_name(fun), _disk.without_addresses(str(sig.treedef)),
                  [(a.shape, str(a.dtype)) for a in sig.avals], jax.default_backend()))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -186,3 +186,22 @@ def test_infeasible_budget_without_the_cpu_flag_names_the_flag():
     out = subprocess.run([sys.executable, "-c", _NO_FLAG], env=env, capture_output=True, text=True, timeout=120)
     assert re.search(r"below the lowest peak .*XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander.* is not set in this process",
                      out.stdout, re.S), out.stdout + out.stderr
+
+
+def test_a_step_whose_peak_no_plan_lowers_says_so():
+    """The loss makes the step's peak (an outer product far larger than the model's activations):
+    every plan compiles to the plain temp, and the refusal says that no plan saves anything and why."""
+    import equinox as eqx
+
+    model = eqx.nn.Linear(8, 8, key=jax.random.key(0))
+
+    def step(model, x):
+        def loss(m):
+            y = jax.vmap(m)(x)
+            return jnp.mean(jnp.tanh(y[:, :, None, None] * x[None, None, :, :]))  # (64, 8, 64, 8) floats
+        return eqx.filter_grad(loss)(model)
+
+    x = jnp.linspace(-1, 1, 64 * 8).reshape(64, 8)
+    with pytest.raises(ValueError, match=r"no remat plan takes this step below its temp without remat "
+                                         r"\(\d+\.\d+ MB\): its peak is set outside the module calls"):
+        smartremat.filter_jit(step, budget_mb=1e-3)(model, x)
