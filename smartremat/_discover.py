@@ -247,7 +247,9 @@ def discover(
             calls.append(BlockCall(candidates[i][0], type(candidates[i][1]).__name__, s, site,
                                    ends=site is None and serial in ending))
     calls = [c for c in calls if c.path not in unplanned]  # a block run in a loop is left alone everywhere
-    _check_scans(calls)
+    for path, reason in _shared_scans(calls).items():
+        unplanned.setdefault(path, reason)
+    calls = [c for c in calls if c.path not in unplanned]
     if blocks is not None:
         _warn_uncalled(candidates, {i for i, _ in recorded})
     if blocks is None:  # a parameter-free layer (dropout, an activation) is part of its neighbours' cost
@@ -400,28 +402,30 @@ def _loop_reason(candidate: tuple[Path, Any], where: str) -> str:
     )
 
 
-def _check_scans(calls: list[BlockCall]) -> None:
-    """One planned block per scan, and a scanned block runs nowhere else."""
-    by_scan: dict[int, set] = {}
+def _shared_scans(calls: list[BlockCall]) -> dict[Path, str]:
+    """Blocks that a scan cannot be split around, with why: several blocks in the body of one
+    scan (a `fori_loop` over a body that calls two layers), or a scanned block that also runs
+    elsewhere. They are left as they run, as blocks inside other loops are."""
+    by_scan: dict[int, dict[Path, str]] = {}
     for c in calls:
         if c.scan is not None:
-            by_scan.setdefault(c.scan.eqn, set()).add(c.path)
-    for paths in by_scan.values():
-        if len(paths) > 1:
-            names = ", ".join(sorted(path_str(p) for p in paths))
-            raise NotImplementedError(
-                f"smartremat found several blocks ({names}) in the body of one `jax.lax.scan`; it "
-                "plans one block per scan. Put them in one module that the scan body calls, or "
-                "name one of them with `blocks=`."
-            )
-    scanned = {c.path for c in calls if c.scan is not None}
-    counts: dict = {}
+            by_scan.setdefault(c.scan.eqn, {})[c.path] = c.type_name
+    out: dict[Path, str] = {}
+    for found in by_scan.values():
+        if len(found) > 1:
+            names = ", ".join(f"{path_str(p)} ({t})" for p, t in sorted(found.items()))
+            for p in found:
+                out[p] = (f"the blocks {names} are called in the body of one `jax.lax.scan` (or `fori_loop`), "
+                          "and smartremat plans one block per scan body, so it leaves them as they run (a module "
+                          "whose only blocks they are is planned whole). To plan them, put them in one module "
+                          "that the loop's body calls (with the decorator, `smartremat(blocks=...)` may name one "
+                          "of them)")
+    counts: dict[Path, int] = {}
     for c in calls:
         counts[c.path] = counts.get(c.path, 0) + 1
-    for p in scanned:
-        if counts[p] > 1:
-            raise NotImplementedError(
-                f"smartremat found the scanned block {path_str(p)} called more than once (in two "
-                "scans, or in a scan and outside it); it plans a scanned block that runs in one "
-                "scan. Give each scan its own stacked module."
-            )
+    for c in calls:
+        if c.scan is not None and counts[c.path] > 1:
+            out.setdefault(c.path, f"the scanned block {path_str(c.path)} ({c.type_name}) runs in more than one "
+                           "scan, or in a scan and outside it, and smartremat splits a scanned block that runs "
+                           "in one scan only, so it leaves it as it runs. Give each scan its own stacked module")
+    return out

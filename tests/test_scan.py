@@ -240,3 +240,43 @@ def test_split_scan_over_a_closed_over_cell_builds_and_stays_monotone():
         assert tree_allclose(planned(model, xs, y), expected)
         recompute.append(planned.plan(model, xs, y).recompute_flops)
     assert recompute == sorted(recompute, reverse=True) and recompute[-1] < recompute[0]
+
+
+class ForiPair(eqx.Module):
+    """Two layers in the body of one `fori_loop` (a scan), a head after it (found by `make fuzz`)."""
+
+    l1: eqx.nn.Linear
+    l2: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __call__(self, x):
+        x = jax.lax.fori_loop(0, 3, lambda i, h: h + 0.5 * self.l2(jnp.tanh(self.l1(h))), x)
+        return self.head(x)
+
+
+class ForiOnly(eqx.Module):
+    l1: eqx.nn.Linear
+    l2: eqx.nn.Linear
+
+    def __call__(self, x):
+        return jax.lax.fori_loop(0, 3, lambda i, h: h + 0.5 * self.l2(jnp.tanh(self.l1(h))), x)
+
+
+def test_several_blocks_in_one_loop_body_are_left_as_they_run_not_raised():
+    """This raised NotImplementedError ("several blocks in the body of one `jax.lax.scan`"):
+    the two layers are left as they run, with the reason in the plan's notes, and the rest is
+    planned; a module whose only blocks they are is one block of its own."""
+    keys = jax.random.split(jax.random.key(0), 6)
+    pair = ForiPair(*(eqx.nn.Linear(64, 64, key=k) for k in keys[:3]))
+    x = jnp.linspace(-1, 1, 32 * 64, dtype=jnp.float32).reshape(32, 64)
+    step = eqx.filter_value_and_grad(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2))
+    plan = smartremat.filter_jit(step, budget_mb=100).plan(pair, x)
+    assert [b.path for b in plan.blocks] == ["head"]
+    assert any("l1 (Linear), l2 (Linear) are called in the body of one `jax.lax.scan`" in n for n in plan.notes)
+    assert tree_allclose(smartremat.filter_jit(step, budget_mb=100)(pair, x), eqx.filter_jit(step)(pair, x))
+
+    net = [ForiOnly(eqx.nn.Linear(64, 64, key=a), eqx.nn.Linear(64, 64, key=b)) for a, b in (keys[:2], keys[2:4])]
+    step = eqx.filter_value_and_grad(lambda m, x: jnp.mean(jax.vmap(lambda v: m[1](m[0](v)))(x) ** 2))
+    planned = smartremat.filter_jit(step, budget_mb=100)
+    assert [b.path for b in planned.plan(net, x).blocks] == ["m[0]", "m[1]"]  # each planned whole
+    assert tree_allclose(planned(net, x), eqx.filter_jit(step)(net, x))
