@@ -37,7 +37,7 @@ test: $(BIN)/activate test-oldest
 	$(BIN)/mkdocs build --strict --quiet -d .site
 
 test-oldest: $(OLDEST)/bin/activate
-	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(OLDEST_TESTS)
+	$(OLDEST)/bin/python -m pytest -q -n 2 -p no:cacheprovider $(OLDEST_TESTS)
 
 # The model fuzzer (tests/fuzz/): COUNT cases of Equinox idioms drawn from SEED (from the clock when
 # empty), each held against the invariants (no undocumented error, the plain step's answer, compiled
