@@ -1,7 +1,7 @@
 """The budget promise, held against the compiler on the user's own training step.
 
 Every step here uses a real loss (`benchmarks.common.output_loss`: squared error against targets,
-or next-token cross-entropy for the GPT), never `jnp.sum(out)`. Five budgets from full remat's
+or next-token cross-entropy for the GPT), never `jnp.sum(out)`. Four budgets from full remat's
 compiled temp bytes to no remat's, per model: the decorated model's step fits, its temp bytes
 never rise as the budget falls, and its gradients equal no remat's, with the model's own pytree
 structure.
@@ -64,11 +64,11 @@ def _floor(model, x, vmapped, **options) -> float:
 
 
 def _check(case, fit_log, test, **options):
-    """Five budgets from the lowest smartremat accepts (at or above full remat's temp bytes in the
+    """Four budgets from the lowest smartremat accepts (at or above full remat's temp bytes in the
     user's step) to no remat's: each fits, temp bytes never rise, gradients equal no remat's."""
     name, model, x, user, uniforms, (none, full), want = case
     low = max(full, _floor(model, x, user is Batched, **options) * MB)
-    budgets = np.linspace(max(none, low), low, 5)
+    budgets = np.linspace(max(none, low), low, 4)
     temps, flops_seen = [], []
     for budget in budgets:
         wrapped = smartremat.smartremat(budget_mb=float(budget) / MB, **options)(model)
