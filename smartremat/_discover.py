@@ -168,6 +168,12 @@ def _contexts(jaxpr: jcore.Jaxpr, ctx: tuple = ()) -> Iterator[tuple[int, tuple]
             yield from _contexts(sub, ctx + ((k, eqn),))
 
 
+def _inner_jit(jaxpr: jcore.Jaxpr) -> bool:
+    """Whether the forward calls a `jax.jit`-ed function (whose trace JAX may have cached)."""
+    return any(e.primitive.name in ("jit", "pjit", "closed_call") or any(_inner_jit(j) for j in subjaxprs(e))
+               for e in jaxpr.eqns)
+
+
 def subjaxprs(eqn: jcore.JaxprEqn) -> Iterator[jcore.Jaxpr]:
     for v in eqn.params.values():
         for item in (v if isinstance(v, (list, tuple)) else [v]):
@@ -230,8 +236,8 @@ def discover(
         return out
 
     closed = jax.make_jaxpr(spec.function(probed))(*spec.dynamic)
-    if not recorded and candidates:  # the forward's inner `jit`s may reuse traces JAX cached before: trace afresh
-        jax.clear_caches()
+    if not recorded and candidates and _inner_jit(closed.jaxpr):  # it may reuse a trace JAX cached before
+        jax.clear_caches()  # (diffrax's solver loop did): trace afresh
         outputs.clear()
         closed = jax.make_jaxpr(spec.function(probed))(*spec.dynamic)
     sites = _sites(closed.jaxpr)
@@ -256,6 +262,11 @@ def discover(
         calls = [c for c in calls if _holds_arrays(c.spec)] or calls
     calls = _last_ends(calls)
     if not calls:
+        if blocks is not None and unplanned:  # never fall back to the whole module past the user's choice
+            raise ValueError(
+                "`smartremat(blocks=...)` named only sub-modules that smartremat leaves as they run: "
+                + "; ".join(unplanned.values()) + ". Name sub-modules called outside such loops, or pass "
+                "`blocks=None` to plan the module around them.")
         if blocks is not None:
             raise ValueError(
                 "`smartremat(blocks=...)` named sub-modules that the module's forward never "
@@ -309,8 +320,9 @@ def expand_stacks(calls: list[BlockCall], depth: int = 0) -> list[BlockCall]:
         if inner is None:
             out.append(c)
             continue
-        out += expand_stacks([dataclasses.replace(s, path=c.path + s.path, ends=c.ends and s.ends)
-                              for s in inner], depth + 1)
+        out += expand_stacks([dataclasses.replace(s, path=c.path + s.path, ends=c.ends and s.ends,
+                                                  unplanned=(c.unplanned if k == 0 else ()) + s.unplanned)
+                              for k, s in enumerate(inner)], depth + 1)  # the reasons stay on the first call
     return out
 
 
@@ -327,7 +339,10 @@ def expanded(module: eqx.Module, call: Callable, spec: CallSpec, found: list[Blo
         again = discover(module, call, spec, lambda m: [get_at(m, p) for p in paths])
     except (NotImplementedError, ValueError):
         return found
-    return found if any(c.unplanned for c in again) else again
+    if any(c.unplanned for c in again):
+        return found
+    reasons = tuple(dict.fromkeys(r for c in found for r in c.unplanned))  # the outer module's, kept
+    return [dataclasses.replace(again[0], unplanned=reasons), *again[1:]] if reasons else again
 
 
 def _stack_of(c: BlockCall) -> list[BlockCall] | None:

@@ -89,7 +89,7 @@ class Outcome:
 
     choice: Choice
     compiled: tuple[int, float]
-    measured: tuple[Choice, ...]
+    measured: tuple[Choice, ...]  # compiled (those that could not be built are counted in `skipped`)
     confirmed: tuple[Choice, ...] = ()  # the candidates also compiled under every loss
     checked: tuple[tuple[int, int], ...] = ()  # (predicted peak, compiled temp) per candidate compiled
     timed: tuple[tuple[int, float, float], ...] = ()  # with tune=True: (temp, flops, seconds) per candidate timed
@@ -229,8 +229,9 @@ def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimat
             compiled(*everything)  # the model's lowest plan is not the compiler's: try them all
             continue
         if compiled.exact(best) <= budget:
-            checked = tuple((int(model.peak(c)), t) for c, (t, _) in compiled.figures.items() if t < UNBUILT[0])
-            return Outcome(best, compiled.figures[best], tuple(compiled.figures), tuple(compiled.confirmed), checked,
+            built = [c for c, (t, _) in compiled.figures.items() if t < UNBUILT[0]]  # `measured` pairs with `checked`
+            checked = tuple((int(model.peak(c)), compiled.figures[c][0]) for c in built)
+            return Outcome(best, compiled.figures[best], tuple(built), tuple(compiled.confirmed), checked,
                            skipped=compiled.skipped)
 
 

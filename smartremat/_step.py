@@ -60,9 +60,9 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
         return abstract(x)
     if isinstance(x, jax.Array):
         # typed PRNG keys (`jax.random.key`) have no `weak_type`
-        # an array on one device is placed where the step runs, as `jit` places it: only a
-        # sharding over several devices is part of the program
-        sharding = x.sharding if len(x.sharding.device_set) > 1 else None
+        # an array on the default device is placed where the step runs, as `jit` places it; one
+        # committed to another device, or sharded over several, decides where the program runs
+        sharding = x.sharding if _placed(x.sharding) and x.committed else None
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=getattr(x, "weak_type", False))
     return jax.ShapeDtypeStruct(np.shape(x), np.result_type(x))
 
@@ -104,11 +104,19 @@ def bind(fun: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return bound.args, bound.kwargs
 
 
+def _placed(sharding: Any) -> bool:
+    """Whether a sharding decides where the program runs: over several devices, or on one device
+    other than the default one."""
+    devices = sharding.device_set
+    return len(devices) > 1 or next(iter(devices)) != jax.devices()[0]
+
+
 def _placement(aval: jax.ShapeDtypeStruct) -> Any:
-    """What of an argument's placement changes the program: its sharding over several devices
-    (a numpy array, a jax array on the default device and a ShapeDtypeStruct are all one)."""
+    """What of an argument's placement changes the program: its sharding over several devices, or
+    its device when not the default one (a numpy array, a jax array on the default device and a
+    ShapeDtypeStruct are all one)."""
     sharding = getattr(aval, "sharding", None)
-    return sharding if sharding is not None and len(sharding.device_set) > 1 else None
+    return sharding if sharding is not None and _placed(sharding) else None
 
 
 def split_args(fun: Callable, args: tuple, kwargs: dict) -> tuple[Signature, list]:

@@ -151,3 +151,17 @@ def test_a_difference_passes_rule_6_only_within_twice_the_plain_steps_own_error(
     assert (found != []) == reported
     if reported:
         assert found[0].startswith("['w']: ") and "from the float64 answer" in found[0]
+
+
+def test_rule_6_is_not_consulted_for_a_difference_that_is_not_of_float_values():
+    """A structure, dtype, integer or NaN difference fails whatever the float64 answer says."""
+    from tests.fuzz.check import Failed, _compare
+    from tests.fuzz.grammar import Case
+
+    w = jnp.linspace(-1, 1, 8, dtype=jnp.float32)
+    case = Case(step="value_and_grad")
+    for actual, expected in [((jnp.float32(0), {"w": w}, jnp.int32(2)), (jnp.float32(0), {"w": w}, jnp.int32(3))),
+                             ((jnp.float32(0), {"w": w.astype(jnp.bfloat16)}), (jnp.float32(0), {"w": w})),
+                             ((jnp.float32(0), {"w": w.at[0].set(jnp.nan)}), (jnp.float32(0), {"w": w}))]:
+        with pytest.raises(Failed, match="rule 6 does not apply"):
+            _compare(case, actual, expected, lambda: expected)  # the "exact" answer equals the plain one

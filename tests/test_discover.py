@@ -171,3 +171,22 @@ def test_discovery_marks_the_call_whose_outputs_the_module_returns(make, ends):
     spec = make_spec(model, (x,), {})
     calls = expand_stacks(discover(model, lambda m, *a: m(*a), spec, None))
     assert [path_str(c.path) for c in calls if c.ends] == ([] if ends is None else [ends])
+
+
+def test_a_module_whose_sub_modules_are_read_not_called_keeps_jaxs_caches(monkeypatch):
+    """Weight tying (`self.embed.weight` read, the embedding never called): no call of a sub-module
+    is seen, and with no inner `jit` in the forward there is no cached trace to blame, so JAX's
+    caches (every function the user compiled) are left alone."""
+
+    class Tied(eqx.Module):
+        embed: eqx.nn.Embedding
+
+        def __call__(self, t):
+            return self.embed.weight[t] @ self.embed.weight.T
+
+    cleared = []
+    monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(1))
+    model, t = Tied(eqx.nn.Embedding(50, 16, key=jax.random.key(0))), jnp.arange(8) % 50
+    step = eqx.filter_value_and_grad(lambda m, t: jnp.mean(jax.vmap(m)(t) ** 2))
+    assert smartremat.filter_jit(step, budget_mb=100)(model, t)[0] == eqx.filter_jit(step)(model, t)[0]
+    assert cleared == []

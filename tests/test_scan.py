@@ -280,3 +280,59 @@ def test_several_blocks_in_one_loop_body_are_left_as_they_run_not_raised():
     planned = smartremat.filter_jit(step, budget_mb=100)
     assert [b.path for b in planned.plan(net, x).blocks] == ["m[0]", "m[1]"]  # each planned whole
     assert tree_allclose(planned(net, x), eqx.filter_jit(step)(net, x))
+
+
+class Pair(eqx.Module):
+    a: eqx.nn.Linear
+    b: eqx.nn.Linear
+
+    def __call__(self, x):
+        return x + self.b(jnp.tanh(self.a(x)))
+
+
+class Encoder(eqx.Module):
+    layers: list
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class EncoderThenLoop(eqx.Module):
+    """A stack of layers (expanded into its layers), then a layer in a while loop (left alone)."""
+
+    encoder: Encoder
+    layer: eqx.nn.Linear
+
+    def __call__(self, x):
+        h = self.encoder(x)
+        return eqx.internal.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(self.layer(c[1]))),
+                                       (0, h), max_steps=3, kind="checkpointed")[1]
+
+
+def _encoder_then_loop():
+    k = jax.random.split(jax.random.key(0), 5)
+    layers = [Pair(eqx.nn.Linear(32, 32, key=k[i]), eqx.nn.Linear(32, 32, key=k[i + 1])) for i in (0, 2)]
+    return EncoderThenLoop(Encoder(layers), eqx.nn.Linear(32, 32, key=k[4]))
+
+
+def test_the_loop_reason_survives_the_expansion_of_the_first_block():
+    """The reason a block in a loop is left alone is kept when the block before it (a stack) is
+    replaced by its layers: it was dropped with that block."""
+    model, x = _encoder_then_loop(), jnp.ones((8, 32), jnp.float32)
+    step = eqx.filter_value_and_grad(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2))
+    plan = smartremat.filter_jit(step, budget_mb=100).plan(model, x)
+    assert [b.path for b in plan.blocks] == ["encoder.layers[0]", "encoder.layers[1]"]
+    assert any("the block layer (Linear) is called inside a `jax.lax.while_loop`" in n for n in plan.notes)
+
+
+def test_blocks_naming_only_blocks_in_loops_is_refused_with_the_reason():
+    """`blocks=` naming only a block the loop runs: not the whole module planned past the user's
+    choice, nor "never calls" (it is called, inside a loop), but the reason."""
+    model, x = _encoder_then_loop(), jnp.ones((8, 32), jnp.float32)
+    wrapped = smartremat.smartremat(budget_mb=100, blocks=lambda m: [m.layer])(model)
+    with pytest.raises(ValueError, match=r"`smartremat\(blocks=...\)` named only sub-modules that smartremat "
+                                         r"leaves as they run: the block layer \(Linear\) is called inside a "
+                                         r"`jax.lax.while_loop`.*pass `blocks=None`"):
+        smartremat.explain(wrapped, x[0])

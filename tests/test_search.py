@@ -284,7 +284,10 @@ def test_candidates_that_cannot_be_built_are_skipped_not_raised(steps, ratio, da
     budget = data.draw(st.integers(temps[-1], temps[-1] + 50))  # the last point (never broken) fits
     flops = [float(len(temps) - i) for i in range(len(temps))]
 
+    asked = []
+
     def measure(choice):
+        asked.append(choice)
         if choice[0] in broken:
             raise Unbuildable("cannot split")
         return temps[choice[0]], flops[choice[0]]
@@ -294,4 +297,5 @@ def test_candidates_that_cannot_be_built_are_skipped_not_raised(steps, ratio, da
     fits = [i for i in range(len(temps)) if i not in broken and temps[i] <= budget]
     assert out.choice[0] not in broken and out.compiled[0] <= budget
     assert out.choice == (max(fits),)  # the cheapest buildable plan that fits
-    assert out.skipped == len(broken & {c[0] for c in out.measured})
+    assert out.skipped == len(broken & {c[0] for c in asked})
+    assert not broken & {c[0] for c in out.measured} and len(out.measured) == len(out.checked)  # paired

@@ -3,7 +3,10 @@
 callable Modules as the step, and models trained through a method other than `__call__`."""
 
 import functools
+import os
 import re
+import subprocess
+import sys
 
 import equinox as eqx
 import jax
@@ -176,3 +179,29 @@ def test_errors_name_a_partial_step_by_its_function_and_explain_labels_predicted
     assert " at 0x" not in str(info.value)
     text = str(smartremat.explain(smartremat.filter_jit(step, budget_mb=100), _net()))
     assert "reachable" not in text and "(the model's; the compiler decides fit)" in text
+
+
+ON_SECOND_DEVICE = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_disable_hlo_passes=cse_barrier_expander --xla_force_host_platform_device_count=2"
+os.environ["SMARTREMAT_DISK_CACHE"] = "0"
+import equinox as eqx, jax, jax.numpy as jnp, smartremat
+net, x = eqx.nn.MLP(16, 16, 64, 2, key=jax.random.key(0)), jnp.ones((32, 16))
+step = eqx.filter_value_and_grad(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2))
+want = eqx.filter_jit(step)(net, x)
+for device in jax.devices():
+    arrays, rest = eqx.partition(net, eqx.is_array)
+    placed = eqx.combine(jax.device_put(arrays, device), rest)
+    got = smartremat.filter_jit(step, budget_mb=100)(placed, jax.device_put(x, device))
+    assert jax.tree.leaves(got)[0].devices() == {device}, (device, jax.tree.leaves(got)[0].devices())
+    assert float(got[0]) == float(want[0])
+print("ok")
+"""
+
+
+def test_a_model_committed_to_another_device_runs_there():
+    """As with `eqx.filter_jit`: arrays committed to a device other than the default one run the
+    step there (this raised "Computation was compiled for input shardings that disagree")."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", ON_SECOND_DEVICE], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -9,10 +9,12 @@ the two (`case.budget`), and then:
 - (b) `mismatch`: every array the planned step returns equals the plain step's
   (`tests.helpers.tree_mismatches`); where it reports a difference, the plain step is run again
   in float64 and the difference passes if it is float32 rounding (`tests.helpers.beyond_rounding`,
-  rule 6: the planned answer no further from the float64 one than twice the plain step's error);
+  rule 6: the planned answer no further from the float64 one than twice the plain step's error;
+  only where every difference reported is one of float values: never a structure, dtype,
+  integer or NaN difference);
 - (c) `over budget`: the compiled temp bytes of the planned step fit the budget;
-- (d) `unreachable`: the figure `smartremat.explain` prints as "lowest reachable" is not below
-  the compiled floor, its "compiled" figure is not below the step's, and a budget at or above
+- (d) `unreachable`: `smartremat.explain`'s "compiled" figure is not below the step's (a figure
+  it printed as "lowest reachable" would be held to the compiled floor), and a budget at or above
   the stated floor is planned (with `case.budget == 0` the budget is the stated "at least" figure
   itself, so the statement is held to its word).
 
@@ -235,10 +237,13 @@ def _compare(case: Case, actual: Any, expected: Any, exact: Any) -> None:
         found = tree_mismatches(actual, expected, grads=grads, compute_dtype=dtype)
     if not found:
         return
-    try:
-        beyond = beyond_rounding(actual, expected, exact())
-    except Exception as e:  # no float64 answer: the float32 difference stands
-        beyond = [f"(no float64 answer: {_key(e)})"]
+    if any(_relative(m) == float("inf") for m in found):  # structure, dtype, integers, NaN: never rounding
+        beyond = ["(not a float value: rule 6 does not apply)"]
+    else:
+        try:
+            beyond = beyond_rounding(actual, expected, exact())
+        except Exception as e:  # no float64 answer: the float32 difference stands
+            beyond = [f"(no float64 answer: {_key(e)})"]
     if beyond:  # not float32 rounding (rule 6)
         worst = max(_relative(m) for m in found)
         size = "by at most 1e-5" if worst <= 1e-5 else "by more than 1e-5"
@@ -284,8 +289,10 @@ def _grads_like(case: Case, actual: Any, expected: Any) -> tuple[Any, Any] | Non
 
 
 def _check_figures(plan: smartremat.Plan, temp: int, floor_mb: float) -> None:
-    """(d): the printed "lowest reachable" is not below what the compiler reaches (the stated
-    floor, given to 3 decimals), and the printed "compiled" figure is the step's."""
+    """(d): the printed "compiled" figure is not below the step's compiled temp. `explain` prints
+    the lowest peak as the model's ("lowest X MB (the model's; the compiler decides fit)"), which
+    claims nothing; were it printed as "lowest reachable" again, it is held to what the compiler
+    reaches (the stated floor, given to 3 decimals, and that plan's own compiled temp)."""
     text = str(plan)
     claims = "lowest reachable" in text  # a figure printed as the model's alone claims nothing
     lowest = plan.min_peak_bytes / MB  # printed as "lowest reachable" (2 decimals)

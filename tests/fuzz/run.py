@@ -20,6 +20,7 @@ import os
 import re
 import statistics
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -49,13 +50,25 @@ def check_at(seed: int, index: int) -> Outcome:
     return check_case(case_at(seed, index))
 
 
+def _exit_with(parent: int) -> None:
+    """A worker's initializer: exit when the run that started it is gone (killed, not only ended),
+    instead of going on with its cases for nobody."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(2)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def outcomes(seed: int, indexes: range, jobs: int) -> Iterator[tuple[int, Outcome]]:
     """`(index, outcome)` of each case, in order; in `jobs` processes when more than one."""
     if jobs <= 1:
         yield from ((i, check_at(seed, i)) for i in indexes)
         return
     context = multiprocessing.get_context("spawn")  # JAX is not fork-safe; each worker sets the flag itself
-    with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+    with ProcessPoolExecutor(jobs, mp_context=context, initializer=_exit_with, initargs=(os.getpid(),)) as pool:
         yield from zip(indexes, pool.map(check_at, [seed] * len(indexes), indexes))
 
 
