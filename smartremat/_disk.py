@@ -95,12 +95,12 @@ def without_addresses(text: str) -> str:
 def _program(jaxpr: Any) -> str:
     """A hash of a traced program's text (memory addresses removed): what the step computes,
     static arguments, helper functions and fields of the modules included."""
-    return hashlib.sha256(_ADDRESS.sub("", str(jaxpr)).encode()).hexdigest()
+    return hashlib.sha256(without_addresses(str(jaxpr)).encode()).hexdigest()
 
 
 def _avals_text(avals: Sequence[Any]) -> list:
     return [(tuple(a.shape), str(a.dtype), bool(getattr(a, "weak_type", False)),
-             _ADDRESS.sub("", str(getattr(a, "sharding", None)))) for a in avals]
+             without_addresses(str(getattr(a, "sharding", None)))) for a in avals]
 
 
 def _key_text(signature: Any, config: Any, extra: tuple = ()) -> str | None:
@@ -133,15 +133,15 @@ def plan_key(call: Callable, spec: Any, config: Any) -> str | None:
         logger.debug("smartremat: no disk key for this call (%s)", e)
         return None
     signature = (str(spec.treedef), _avals_text(spec.dynamic), spec.in_axes, spec.axis_size,
-                 _ADDRESS.sub("", repr(spec.axis_name)), _program(forward))
+                 without_addresses(repr(spec.axis_name)), _program(forward))
     return _key_text(signature, config, tuple(losses))
 
 
 def step_key(sig: Any, jaxpr: Any, config: Any, extra: tuple) -> str | None:
     """The disk key of `smartremat.filter_jit`'s plan of a step: the traced step (no remat), its
     arguments' structure, shapes, dtypes and shardings, the configuration and `extra`."""
-    signature = (_ADDRESS.sub("", str(sig.treedef)), _avals_text(sig.avals), _program(jaxpr))
-    return _key_text(signature, config, tuple(_ADDRESS.sub("", repr(e)) for e in extra))
+    signature = (without_addresses(str(sig.treedef)), _avals_text(sig.avals), _program(jaxpr))
+    return _key_text(signature, config, tuple(without_addresses(repr(e)) for e in extra))
 
 
 def _path(text: str) -> pathlib.Path | None:

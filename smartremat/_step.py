@@ -62,7 +62,8 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
         # typed PRNG keys (`jax.random.key`) have no `weak_type`
         # an array on the default device is placed where the step runs, as `jit` places it; one
         # committed to another device, or sharded over several, decides where the program runs
-        sharding = x.sharding if _placed(x.sharding) and x.committed else None
+        several = len(x.sharding.device_set) > 1
+        sharding = x.sharding if several or (x.committed and _placed(x.sharding)) else None
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=getattr(x, "weak_type", False))
     return jax.ShapeDtypeStruct(np.shape(x), np.result_type(x))
 

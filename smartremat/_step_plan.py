@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
