@@ -6,7 +6,7 @@ OLDEST := .venv-oldest
 # lowest versions pyproject.toml declares (requirements/oldest.txt).
 OLDEST_TESTS := tests/test_api.py tests/test_profile.py tests/test_discover.py tests/test_robust.py tests/test_step_api.py
 
-.PHONY: demo test test-oldest fuzz clean
+.PHONY: demo test test-full test-oldest fuzz clean
 
 # The dev environment: exact versions (requirements/dev.txt), the library's own bounds are lower bounds.
 $(BIN)/activate: pyproject.toml requirements/dev.txt
@@ -35,6 +35,11 @@ test: $(BIN)/activate test-oldest
 	$(BIN)/python -m pytest -q -n 2 --durations=12 tests
 	$(BIN)/pyright
 	$(BIN)/mkdocs build --strict --quiet -d .site
+
+# Every case of the suites that hold the same check on several heavy models (tests/helpers.py,
+# `tier`): CI runs a subset of them that covers each model and idiom once.
+test-full: $(BIN)/activate
+	SMARTREMAT_FULL_TESTS=1 $(BIN)/python -m pytest -q -n 2 --durations=12 tests
 
 test-oldest: $(OLDEST)/bin/activate
 	$(OLDEST)/bin/python -m pytest -q -n 2 -p no:cacheprovider $(OLDEST_TESTS)

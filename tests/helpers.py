@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -20,6 +22,18 @@ def tree_allclose(a: Any, b: Any, rtol: float = 1e-6, atol: float = 0.0) -> bool
         if not np.all(np.abs(x - y) <= atol + rtol * max(scale, 1e-30)):
             return False
     return True
+
+
+#: `make test-full` (`SMARTREMAT_FULL_TESTS=1`): every case of the suites that run the same check on
+#: several heavy models; `make test` (CI) runs a subset that still covers each model and idiom
+#: somewhere, so that it stays under 30 minutes on 2 cores.
+FULL = os.environ.get("SMARTREMAT_FULL_TESTS", "") == "1"
+
+
+def tier(names: Iterable[Any], ci: Iterable[Any]) -> list:
+    """`names` (in order) under `make test-full`; under `make test`, those also in `ci`."""
+    keep = list(ci)
+    return [n for n in names if FULL or n in keep]
 
 
 def short_plan(policies: dict) -> str:

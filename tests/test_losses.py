@@ -19,7 +19,7 @@ import pytest
 import smartremat
 from smartremat import MB
 
-from tests.helpers import short_plan, tree_allclose
+from tests.helpers import short_plan, tier, tree_allclose
 from tests.models import MLPStack, Transformer
 
 
@@ -57,8 +57,14 @@ def user_step(model, loss, x, y):
     return compiled.memory_analysis().temp_size_in_bytes, compiled(params)
 
 
-@pytest.mark.parametrize("model_name", sorted(MODELS))
-@pytest.mark.parametrize("loss_name", sorted(LOSSES))
+# CI: every loss on the stack, and on the transformer the one from optax and the one reading an
+# intermediate output; `make test-full`: every pair
+PAIRS = tier([(m, l) for l in sorted(LOSSES) for m in sorted(MODELS)],
+             [*((("stack", l) for l in LOSSES)), ("transformer", "optax_ce_labels"),
+              ("transformer", "reads_intermediate")])
+
+
+@pytest.mark.parametrize("model_name,loss_name", PAIRS, ids=[f"{l}-{m}" for m, l in PAIRS])
 def test_default_verification_fits_other_real_losses(model_name, loss_name, fit_log):
     make, shape = MODELS[model_name]
     model = WithHidden(make())

@@ -10,6 +10,7 @@ import smartremat
 from smartremat import _cost
 from smartremat import smartremat as sr
 
+from tests.helpers import FULL
 from tests.models import ConvNet, Transformer, TutorialBlock
 
 cp = jax.checkpoint_policies
@@ -126,11 +127,14 @@ def test_measuring_compiles_give_the_figures_of_the_compile_that_runs(make, rema
     assert figures[0][0] > 0
 
 
-@pytest.mark.parametrize("make", [
-    lambda: (Transformer(2, 64, 4, jax.random.key(0)), jnp.ones((2, 64, 64))),
-    lambda: (ConvNet(2, 8, 10, jax.random.key(0)), jnp.ones((3, 16, 16))),
-    lambda: (TutorialBlock(64, 512, jax.random.key(0)), jnp.ones((16, 64))),
-], ids=["transformer", "convnet", "tutorial_block"])
+PROFILED = [
+    pytest.param(lambda: (Transformer(2, 64, 4, jax.random.key(0)), jnp.ones((2, 64, 64))), id="transformer"),
+    pytest.param(lambda: (ConvNet(2, 8, 10, jax.random.key(0)), jnp.ones((3, 16, 16))), id="convnet"),
+    pytest.param(lambda: (TutorialBlock(64, 512, jax.random.key(0)), jnp.ones((16, 64))), id="tutorial_block"),
+]
+
+
+@pytest.mark.parametrize("make", PROFILED if FULL else PROFILED[1:])  # the transformer: `make test-full`
 def test_block_profiles_compiled_with_profiling_options_give_the_measuring_figures(make, monkeypatch):
     # block profiles compile with `profiling_options()` (on the CPU, also the loop emitters, a
     # faster compile): every block-profile program must keep the temp bytes it has under

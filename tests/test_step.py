@@ -20,7 +20,7 @@ from benchmarks.common import output_loss, target_of
 from smartremat import MB
 from smartremat._memory import peak_of
 
-from tests.helpers import short_plan, tree_allclose
+from tests.helpers import short_plan, tier, tree_allclose
 from tests.models import GPT, Batched, ConvNet, MLPStack, Transformer, TutorialBlock
 
 CASES = {
@@ -67,7 +67,9 @@ def _temp(jitted, *args) -> int:
     return int(lowered.compile().memory_analysis().temp_size_in_bytes)
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+# CI: every model but the transformer, which tests/test_losses.py and tests/test_fit.py (under
+# `make test-full`) plan; `make test-full` runs it here too
+@pytest.fixture(scope="module", params=tier(sorted(CASES), ["convnet_vmap", "gpt", "stack", "tutorial"]))
 def case(request):
     make, shape, vmapped = CASES[request.param]
     model = make()
