@@ -2,57 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
 
-import jax
-
 T = TypeVar("T")
-
-
-def environment_key() -> tuple[str, str]:
-    """What else a compiled figure depends on: the backend and the XLA flags."""
-    return jax.default_backend(), os.environ.get("XLA_FLAGS", "")
-
-
-def measuring_options() -> dict[str, Any]:
-    """XLA options for the compiles smartremat only measures (profiles, candidate plans), never
-    for a step that runs. On the CPU, LLVM's optimisation level decides code generation only,
-    after the HLO passes and buffer assignment that `memory_analysis()` and `cost_analysis()`
-    read, so level 0 gives the same figures in about half the compile time (docs/fit.md,
-    "Planning time"). Other backends compile as they would anyway."""
-    return {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
-
-
-def profiling_options() -> dict[str, Any]:
-    """XLA options for the small compiles that profile one block (its own peak, its copies in a
-    row): `measuring_options()` and, on the CPU, XLA's loop emitters instead of its MLIR fusion
-    emitters, which halves these compiles at the same temp bytes on every block profile of the
-    benchmark models (docs/fit.md, "Planning time"); also for the one compile of the module with
-    its stack's blocks skipped (`_head.in_place`), a measure too. Not for whole-step compiles,
-    whose figures must be those of the step that runs: there the emitters move the quick GPT's
-    temp bytes by up to 192 bytes. `_profile.compiled_temp` falls back to `measuring_options()` where a jaxlib does
-    not know the option."""
-    extra = {"xla_cpu_use_fusion_emitters": False} if jax.default_backend() == "cpu" else {}
-    return {**measuring_options(), **extra}
-
-
-def barrier_hint() -> str:
-    """For an error about a budget that is too low: on the CPU without the barrier flag, a
-    sentence saying that the figures overstate what remat can save and how to set the flag;
-    else `""`."""
-    from ._planner import CPU_NOTE, cpu_barrier_missing
-
-    if not cpu_barrier_missing():
-        return ""
-    return (f" Note: {CPU_NOTE}, and it is not set in this process, so the compiled program keeps what "
-            "remat should free and the figures above may be too high: set it (e.g. "
-            "`XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander python train.py`) and plan again "
-            "before raising the budget.")
 
 
 class Identity:
@@ -80,6 +36,15 @@ MAX_ENTRIES = 256
 
 _CACHES: weakref.WeakSet[KeyedCache] = weakref.WeakSet()
 _CACHES_LOCK = threading.Lock()
+_CLEARS: list[Callable[[], Any]] = []
+
+
+def register_clear(clear: Callable[[], Any]) -> Callable[[], Any]:
+    """Have `clear_caches()` call `clear` too (e.g. a `functools.cache`'s `cache_clear`), as
+    Equinox's `_caches.py` registers its caches; returns `clear`."""
+    with _CACHES_LOCK:
+        _CLEARS.append(clear)
+    return clear
 
 
 class KeyedCache(Generic[T]):
@@ -165,10 +130,9 @@ def clear_caches() -> None:
     smartremat.clear_caches()
     ```
     """
-    from . import _spec
-
     with _CACHES_LOCK:
-        caches = list(_CACHES)
+        caches, clears = list(_CACHES), list(_CLEARS)
     for cache in caches:
         cache.clear()
-    _spec._concrete_mesh.cache_clear()
+    for clear in clears:
+        clear()

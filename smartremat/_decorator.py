@@ -13,8 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _apply, _intercept, _jax_private, _planner
-from ._plan import MB, Plan
+from . import _intercept, _jax_private, _options
+from ._model import Config
+from ._module_plan import get_plan
+from ._plan import Plan
+from ._env import MB
 from ._serialise import signature
 from ._policies import normalise_policies
 from ._spec import make_spec
@@ -39,7 +42,7 @@ def _real(value: Any) -> float | None:
         return None
 
 
-def _budget_mb(budget_mb: Any, name: str = "smartremat(budget_mb=...)") -> float:
+def checked_budget_mb(budget_mb: Any, name: str = "smartremat(budget_mb=...)") -> float:
     """The budget in MB as a float, checked: a positive, finite real number (not a bool)."""
     value = _real(budget_mb)
     if value is None or not math.isfinite(value) or value <= 0:
@@ -54,7 +57,7 @@ def _budget_mb(budget_mb: Any, name: str = "smartremat(budget_mb=...)") -> float
 def make_config(budget_mb: Any, *, policies: Sequence[Any] | None = None, blocks: Callable | None = None,
                 calibrate: bool = True, verify: bool = True, plan: Plan | None = None,
                 scan_segments: int = 2, nested: bool = True, loss: Callable | None = None,
-                loss_args: Any = (), tune: bool = False, name: str = "smartremat") -> _planner.Config:
+                loss_args: Any = (), tune: bool = False, name: str = "smartremat") -> Config:
     """Check every option (errors name the argument) and return the hashable `Config`."""
     if blocks is not None and not callable(blocks):
         raise TypeError(
@@ -81,10 +84,10 @@ def make_config(budget_mb: Any, *, policies: Sequence[Any] | None = None, blocks
         raise ValueError(
             f"`{name}(tune=True, verify=False)`: tuning times the candidate plans that the compiler "
             "verified to fit, so it needs `verify=True`. Drop `tune=True`, or leave `verify` on.")
-    mb = _budget_mb(budget_mb, f"{name}(budget_mb=...)")
+    mb = checked_budget_mb(budget_mb, f"{name}(budget_mb=...)")
     if plan is not None:
         _check_plan_budget(plan, mb, name)
-    return _planner.Config(budget_bytes=int(mb * MB), policies=normalise_policies(policies, name), budget_mb=mb,
+    return Config(budget_bytes=int(mb * MB), policies=normalise_policies(policies, name), budget_mb=mb,
                            blocks=blocks, calibrate=bool(calibrate), verify=bool(verify), plan=plan,
                            scan_segments=int(scan_segments), nested=bool(nested),
                            losses=_losses(loss, loss_args, name), tune=bool(tune))
@@ -132,7 +135,7 @@ def _losses(loss: Callable | None, loss_args: Any, name: str) -> tuple:
     return (UserLoss(loss, loss_args),)
 
 
-def planned_call(module: Any, call: Callable, config: _planner.Config, args: tuple, kwargs: dict) -> Any:
+def planned_call(module: Any, call: Callable, config: Config, args: tuple, kwargs: dict) -> Any:
     """Plan (once per signature) and run `call(module, *args, **kwargs)` under the plan."""
     if _intercept.in_root_call():  # inside a module `smartremat.filter_jit` plans: its plan covers this one
         return call(module, *args, **kwargs)
@@ -140,9 +143,9 @@ def planned_call(module: Any, call: Callable, config: _planner.Config, args: tup
         return call(module, *args, **kwargs)  # no backward pass, nothing to keep for it: the plain forward
     spec = make_spec(module, args, kwargs)
     if config.plan is not None:
-        return _apply.run(module, call, loaded_plan(config.plan, call, spec).assignment, args, kwargs)
-    plan = _planner.get_plan(call, spec, module, config)
-    return _apply.run(module, call, plan.assignment, args, kwargs)
+        return _options.run(module, call, loaded_plan(config.plan, call, spec).assignment, args, kwargs)
+    plan = get_plan(call, spec, module, config)
+    return _options.run(module, call, plan.assignment, args, kwargs)
 
 
 def loaded_plan(plan: Plan, call: Callable, spec: Any) -> Plan:
@@ -163,7 +166,7 @@ class SmartRemat(eqx.Module):
     """
 
     module: eqx.Module
-    config: _planner.Config = eqx.field(static=True)
+    config: Config = eqx.field(static=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return planned_call(self.module, _unbound_call(self.module), self.config, args, kwargs)
@@ -173,7 +176,7 @@ def _unbound_call(module: Any) -> Callable:
     return type(module).__call__
 
 
-def _decorate_class(cls: type, config: _planner.Config) -> type:
+def _decorate_class(cls: type, config: Config) -> type:
     """Give `cls` a planning `__call__`, in place, so instances keep the exact same pytree.
 
     Like `dataclasses.dataclass`, this acts on the class being defined; the original call is
@@ -312,7 +315,7 @@ def _refuse_planned(target: Any) -> None:
         )
 
 
-def config_of(model: Any) -> tuple[_planner.Config, Callable, Any] | None:
+def config_of(model: Any) -> tuple[Config, Callable, Any] | None:
     """`(config, original call, inner module)` of a decorated instance or wrapper, else None."""
     if isinstance(model, SmartRemat):
         return model.config, _unbound_call(model.module), model.module

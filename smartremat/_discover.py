@@ -15,26 +15,8 @@ from jax.extend import core as jcore
 
 from . import _intercept
 from ._cost import aval_bytes, floating_leaves
+from ._paths import Path, get_at, path_str
 from ._spec import CallSpec, make_spec
-
-Path = tuple[tuple[str, Any], ...]
-
-
-def path_str(path: Path) -> str:
-    """`(("attr", "blocks"), ("idx", 0))` -> `"blocks[0]"`; the empty path is `"<self>"`."""
-    if not path:
-        return "<self>"
-    out = ""
-    for kind, key in path:
-        out += f".{key}" if kind == "attr" else f"[{key!r}]"
-    return out.lstrip(".")
-
-
-def get_at(tree: Any, path: Path) -> Any:
-    for kind, key in path:
-        tree = getattr(tree, key) if kind == "attr" else tree[key]
-    return tree
-
 
 def _walk(value: Any, path: Path) -> Iterator[tuple[Path, Any]]:
     if isinstance(value, eqx.nn.Sequential):

@@ -37,13 +37,16 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from ._memory import Stage
-from ._plan import Plan
+from ._env import VERSION
+from ._profile import mesh_context
+from ._options import assignment_to_json
+from ._plan import Plan, plan_data
+from ._serialise import assignment_from_json, load_plan
 from ._policies import DEFAULT_MENU
 
 logger = logging.getLogger("smartremat")
 
-FORMAT = 1  #: bumped when the stored layout changes
+FORMAT = 2  #: bumped when the stored layout changes
 
 
 def folder() -> pathlib.Path | None:
@@ -110,10 +113,8 @@ def _key_text(signature: Any, config: Any, extra: tuple = ()) -> str | None:
     blocks = None if config.blocks is None else _source(config.blocks)
     if config.blocks is not None and blocks is None:
         return None
-    from . import __version__
-
     devices = [(d.platform, d.device_kind) for d in jax.devices()]
-    return repr((FORMAT, __version__, _own_source(), jax.__version__, _jaxlib_version(), eqx.__version__,
+    return repr((FORMAT, VERSION, _own_source(), jax.__version__, _jaxlib_version(), eqx.__version__,
                  os.environ.get("XLA_FLAGS", ""), devices, signature, config.budget_bytes,
                  [o.name for o in config.policies], blocks, config.calibrate, config.verify,
                  config.scan_segments, config.nested, config.tune, extra))
@@ -122,8 +123,6 @@ def _key_text(signature: Any, config: Any, extra: tuple = ()) -> str | None:
 def plan_key(call: Callable, spec: Any, config: Any) -> str | None:
     """The disk key of a decorated module's plan (`None`: not cached): the traced forward and
     each loss on its output, the call's abstract signature, the configuration."""
-    from ._profile import mesh_context
-
     f = spec.function(call)
     try:
         with mesh_context(spec.dynamic):
@@ -152,8 +151,6 @@ def _path(text: str) -> pathlib.Path | None:
 def load(text: str | None) -> tuple[Plan, tuple] | None:
     """`(plan, assignments)` stored under this key, or `None` (absent, off, unreadable, or
     another key's)."""
-    from ._serialise import assignment_from_json, load_plan
-
     path = None if text is None else _path(text)
     if path is None or not path.exists():
         return None
@@ -161,10 +158,7 @@ def load(text: str | None) -> tuple[Plan, tuple] | None:
         data = json.loads(path.read_text())
         if data.get("key") != text:
             return None
-        plan = load_plan(data["plan"])
-        stages = tuple(Stage(tuple(a), tuple(b), tuple(c), *rest) for a, b, c, *rest in data["stages"])
-        assignments = tuple(assignment_from_json(a) for a in data["assignments"])
-        return dataclasses.replace(plan, stages=stages, menu=tuple(data["menu"])), assignments
+        return load_plan(data["plan"]), tuple(assignment_from_json(a) for a in data["assignments"])
     except Exception as e:  # noqa: BLE001  (a bad file is never fatal: plan again, and overwrite it)
         logger.warning("smartremat: ignoring the unreadable cached plan %s (%s); planning again", path, e)
         return None
@@ -174,8 +168,6 @@ def store(text: str | None, plan: Plan, assignments: tuple = ()) -> None:
     """Write `plan` (and `assignments`, one per module call of a step) under this key,
     atomically. Nothing is written when the plan's paths do not survive JSON (dict keys that
     are not strings or ints); a failure to write is logged, never raised."""
-    from ._serialise import assignment_from_json, assignment_to_json, plan_data
-
     path = None if text is None else _path(text)
     if path is None:
         return
@@ -185,8 +177,7 @@ def store(text: str | None, plan: Plan, assignments: tuple = ()) -> None:
         if [assignment_from_json(a) for a in saved] != [plan.assignment, *assignments]:
             logger.debug("smartremat: this plan's paths do not survive JSON; not cached on disk")
             return
-        body = json.dumps({"key": text, "plan": plan_data(plan), "assignments": saved[1:],
-                           "stages": [dataclasses.astuple(st) for st in plan.stages], "menu": list(plan.menu)})
+        body = json.dumps({"key": text, "plan": plan_data(plan), "assignments": saved[1:]})
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
             tmp = f.name

@@ -4,13 +4,15 @@ are planned so that the compiled step fits the budget."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 from jax.core import Tracer
 
-from . import _intercept, _planner
-from ._cache import KeyedCache, environment_key
+from . import _intercept
+from ._model import Config
+from ._cache import KeyedCache
+from ._env import environment_key
 from ._decorator import make_config
 from ._plan import Plan
 from ._step import Box, Signature, applying, bind, compile_quietly, lower_step, root_modules, split_args, step_name, traced, traced_once
@@ -24,7 +26,7 @@ class PlannedStep:
     call runs the compiled step, with no tracing.
     """
 
-    def __init__(self, fun: Callable, config: _planner.Config, options: StepOptions):
+    def __init__(self, fun: Callable, config: Config, options: StepOptions):
         self.__wrapped__ = fun
         self.__name__ = step_name(fun).rsplit(".", 1)[-1]
         self.__doc__ = getattr(fun, "__doc__", None)
@@ -67,6 +69,28 @@ class PlannedStep:
         """The `Plan` for these arguments (made on first use): what `smartremat.explain` returns."""
         return self._entry(args, kwargs)[0][0].plan
 
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        """As a method (`@smartremat.filter_jit(...)` on a method of a class, as `eqx.filter_jit`
+        allows): bound to `instance`, its first argument."""
+        return self if instance is None else BoundStep(self, instance)
+
+
+class BoundStep:
+    """A `PlannedStep` bound to an instance, as a method is: `step(*args)` is
+    `planned(instance, *args)`, and so are `.lower(*args)` and `.plan(*args)`."""
+
+    def __init__(self, step: PlannedStep, instance: Any):
+        self.__wrapped__, self.__self__ = step, instance
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__wrapped__(self.__self__, *args, **kwargs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        return self.__wrapped__.lower(self.__self__, *args, **kwargs)
+
+    def plan(self, *args: Any, **kwargs: Any) -> Plan:
+        return self.__wrapped__.plan(self.__self__, *args, **kwargs)
+
 
 class Lowered:
     """The lowered planned step: `.compile()` gives a `Compiled`; `.as_text()` its StableHLO."""
@@ -102,10 +126,11 @@ class Compiled:
         return eqx.combine(self.compiled(*dynamic), self._box.value)
 
 
+Donate = Literal["none", "all", "all-except-first"]
 _DONATE = ("none", "all", "all-except-first")
 
 
-def filter_jit(fun: Callable | None = None, *, budget_mb: float | str, donate: str = "none",
+def filter_jit(fun: Callable | None = None, *, budget_mb: float | Literal["auto"], donate: Donate = "none",
                policies: Any = None, calibrate: bool = True, scan_segments: int = 2,
                nested: bool = True, tune: bool = False) -> Any:
     """`eqx.filter_jit` for a whole training step, with remat planned so that it fits `budget_mb`.
@@ -131,7 +156,8 @@ def filter_jit(fun: Callable | None = None, *, budget_mb: float | str, donate: s
 
     **Returns:**
 
-    A callable like `eqx.filter_jit(fun)`, with `.lower(*args)` and `.plan(*args)`. The Equinox
+    A callable like `eqx.filter_jit(fun)`, with `.lower(*args)` and `.plan(*args)`; on a method
+    of a class it binds as a method does (`self` is the step's first argument). The Equinox
     modules among the arguments (outermost ones, decorated ones included) are planned: every
     candidate plan is compiled as the whole step and the cheapest whose temp bytes fit is kept.
     """

@@ -19,22 +19,19 @@ a measure, not counted in `Plan.compiles`; where it fails, the model stays as it
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
-from ._cache import profiling_options
+from ._env import profiling_options
 from ._discover import call_module
+from ._model import MemoryModel, after_stage
 from ._options import NO_REMAT, Option
 from ._profile import mesh_context
 from ._spec import CallSpec, sharding_key
 from ._verify import compiled_one
-
-if TYPE_CHECKING:
-    from ._planner import MemoryModel
 
 
 @dataclass(frozen=True)
@@ -97,13 +94,10 @@ def in_place(model: MemoryModel, call: Callable, spec: CallSpec, loss: Any) -> M
             others.append((calls[ci].path, least.option))
             kept += least.saved_bytes if i < k else 0
     none = _in_place(call, spec, tuple(others) + ((calls[last].path, NO_REMAT),), loss)
-    st = stages[k]
-    head = none - model.fixed_bytes - kept - st.saved[0]  # what follows the block, beside its kept bytes
-    peak = tuple(max(p, s + head) for p, s in zip(st.peak, st.saved))
-    return dataclasses.replace(model, stages=stages[:k] + (dataclasses.replace(st, peak=peak),) + stages[k + 1:])
+    return after_stage(model, k, none, kept)
 
 
 def _in_place(call: Callable, spec: CallSpec, assignment: tuple, loss: Any) -> int:
     """Compiled temp bytes of the module's call under `assignment` and `loss`, with the options
-    block profiles are compiled with (`_cache.profiling_options`): a measure, not a step that runs."""
+    block profiles are compiled with (`_env.profiling_options`): a measure, not a step that runs."""
     return compiled_one(call, spec, assignment, loss, profiling_options())[0]

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._paths import get_at
+
 _local = threading.local()
 _lock = threading.RLock()
 _MISSING = object()
@@ -157,8 +159,6 @@ class BlockContext:
     """
 
     def __init__(self, tree: Any, paths: list, on_call: Callable[..., Any]) -> None:
-        from ._discover import get_at
-
         self.targets = [Target(get_at(tree, p)) for p in paths]
         self.by_id = {id(t.obj): i for i, t in enumerate(self.targets)}
         self.aliases: list[Any] = []  # copies claimed by place, kept alive with their ids
@@ -191,8 +191,6 @@ class BlockContext:
 
     def _adopt(self, obj: Any, treedef: Any, shapes: tuple) -> None:
         """`obj` is a copy of one ancestor of targets: its sub-modules at their places are theirs."""
-        from ._discover import get_at
-
         alike = [under for a, under in self.anchors if a.like(obj, treedef, shapes)]
         if len(alike) != 1:
             return

@@ -14,6 +14,7 @@ on early ones, and recomputing the last block saves nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -42,6 +43,19 @@ class Stage:
             raise ValueError("a Stage needs the same number (>0) of saved, peak and cost entries")
         if min(self.cost) < 0:
             raise ValueError(f"Stage costs are recompute FLOPs and must be >= 0, got {self.cost}")
+
+
+def raised_peaks(saved: Sequence[int], peak: Sequence[int], after: Sequence[int]) -> tuple[int, ...]:
+    """Per option, the own peak raised to at least the kept bytes plus `after`: what a compiled
+    program shows runs beside those kept bytes in the block's backward. The one formula by which
+    a compiled program refines a profiled peak: the last block under a real loss (`_profile`), the
+    head after a stack's last block (`_head`), the rest of a training step (`_step_plan`)."""
+    return tuple(max(p, s + a) for p, s, a in zip(peak, saved, after, strict=True))
+
+
+def raised(stage: Stage, after: int) -> Stage:
+    """`stage` with `raised_peaks` applied, `after` the same under every option."""
+    return dataclasses.replace(stage, peak=raised_peaks(stage.saved, stage.peak, (after,) * len(stage.peak)))
 
 
 def peak_of(stages: Sequence[Stage], choice: Sequence[int], offset: int = 0) -> int:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import itertools
 
 from ._options import NO_REMAT, Nested, Option
-from ._profile import _residuals, n_module_leaves
-from ._discover import BlockCall, Path, call_module, discover
+from ._profile import residuals, n_module_leaves
+from ._discover import BlockCall, call_module, discover
+from ._paths import Path
 
 MAX_CHILDREN = 2
 
@@ -32,7 +33,7 @@ def nested_options(call: BlockCall, menu: tuple[Option, ...]) -> tuple[Nested, .
         return ()
     kept: dict[Path, int] = {}
     for c in children:
-        internal, args, _ = _residuals(c.spec.function(call_module), c.spec, n_module_leaves(c.spec))
+        internal, args, _ = residuals(c.spec.function(call_module), c.spec, n_module_leaves(c.spec))
         kept[c.path] = kept.get(c.path, 0) + internal + args
     top = sorted(kept, key=lambda p: -kept[p])[:MAX_CHILDREN]
     top = [p for p in top if kept[p] > 0]

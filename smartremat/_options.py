@@ -17,8 +17,9 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from ._discover import Path, path_str
-from ._render import short_name
+from . import _intercept
+from ._paths import Path, path_str
+from ._scan import run_pieces
 from ._spec import CallSpec
 
 Entry = tuple[Path, "Option"]
@@ -142,8 +143,6 @@ class Nested(Option):
         return f"nested({inner})"
 
     def apply(self, call: Callable) -> Callable:
-        from ._apply import run
-
         children = self.children
         return lambda module, *args, **kwargs: run(module, call, children, args, kwargs)
 
@@ -189,6 +188,55 @@ def from_json(data: Any, named: Callable[[Any], Option]) -> Option:
     return named(data)
 
 
+def assignment_to_json(assignment: Sequence[Entry]) -> list:
+    """`((path, option), ...)` as JSON: each path a list of its steps, each option its `to_json`."""
+    return [[[list(step) for step in path], option.to_json()] for path, option in assignment]
+
+
 def expand(assignment: Sequence[Entry]) -> tuple[Entry, ...]:
     """Every entry of `assignment` as the entries it stands for (nested options expanded)."""
     return tuple(e for path, option in assignment for e in option.expand(path))
+
+
+def short_name(name: str) -> str:
+    """A policy's name as plan tables and plots abbreviate it."""
+    return {"dots_saveable": "dots", "dots_with_no_batch_dims_saveable": "dots_nb",
+            "nothing_saveable": "full"}.get(name, name)
+
+
+Assignment = tuple[Entry, ...]
+
+
+def run(module: Any, call: Callable, assignment: Assignment, args: tuple, kwargs: dict,
+        tags: dict[Path, str] | None = None) -> Any:
+    """Call `call(module, *args, **kwargs)` with each `(path, option)` of `assignment` applied.
+
+    No remat leaves that block alone; the empty path means the module's own call. A `Segments`
+    option (a scanned block with different options on pieces of its scan) splits that scan; a
+    nested option stands for its sub-blocks' entries (`Option.expand`). The module tree is never
+    rewritten: the planned sub-modules' calls are routed through their options as they happen
+    (`_intercept.routing`), so the forward sees its own sub-modules. `tags` names the calls of
+    some paths (`jax.named_scope`) so that their equations can be found in the traced program.
+    """
+    if any(len(option.variants) > 1 for _, option in assignment):
+        return run_pieces(module, call, assignment, args, kwargs, run)
+    assignment = expand(tuple((p, option.variants[0]) for p, option in assignment))
+    own = [option for path, option in assignment if path == ()]
+    tags = tags or {}
+    entries: dict[Path, Option] = {p: option for p, option in assignment if p != () and option != NO_REMAT}
+    entries.update({p: entries.get(p, NO_REMAT) for p in tags})
+    if own:
+        call = own[0].apply(call)
+    if not entries:
+        return call(module, *args, **kwargs)
+    paths = list(entries)
+
+    def checkpointed(index: int, sub: Any, original: Callable, a: tuple, k: dict) -> Any:
+        fn, tag = entries[paths[index]].apply(original), tags.get(paths[index])
+        if tag is None:
+            return fn(sub, *a, **k)
+        with jax.named_scope(tag):
+            return fn(sub, *a, **k)
+
+    with _intercept.routing(module, paths, checkpointed):
+        return call(module, *args, **kwargs)

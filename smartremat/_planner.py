@@ -1,97 +1,87 @@
-"""discover -> profile -> model -> solve -> verify: the one entry the decorator and explain call."""
+"""The one planning pipeline, for a decorated module and a whole training step alike:
+discover -> profile -> model (`Target.model`: `_discover`, `_profile`, `_model`) -> refine
+(`Target.refined`: `_model.after_stage`) -> solve (`_solve`) -> verify (`verified`: `_search`,
+`_tune`) -> assemble (`assemble`: the `Plan`).
+
+A `Target` is what differs between the two paths: what is compiled as "the step" (the module's
+call under the losses, `_module_plan`; the user's whole step, `_step_plan`) and how a failure to
+fit is worded. `planned` adds the caches: one plan per target key in this process, and the disk.
+"""
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import jax
 
 from . import _disk
-from ._apply import run
-from ._discover import call_module
-from ._cache import KeyedCache, barrier_hint, environment_key
-from ._discover import BlockCall, Path, discover, expanded, path_str
-from ._memory import Stage, cost_of, peak_at, peak_of
-from ._plan import MB, Plan, PlanBlock, PolicyFigures
-from ._options import NO_REMAT, Entry, Option, Segments, expand
-from ._policies import FULL_REMAT, no_policy_error
-from ._profile import BlockProfile, PolicyProfile, n_module_leaves, profile_block, _residuals
-from ._nested import nested_options
+from ._cache import KeyedCache
+from ._env import CPU_NOTE, MB, cpu_barrier_missing
+from ._memory import cost_of, peak_at, peak_of
+from ._model import Config, MemoryModel, assignment_of, choices_of, full_remat, stage_figures, uniform, unplanned
+from ._paths import path_str
+from ._plan import Plan, PlanBlock, PolicyFigures
+from ._search import MAX_CANDIDATES, CandidateFigures, Estimates, Outcome, search, spread
 from ._solve import Solution, frontier, min_peak, solve
-from ._serialise import signature
-from ._spec import CallSpec, shardings_hidden
-from ._head import in_place
-from ._verify import DEFAULT_LOSSES, compiled_step, timed_step
-from ._search import MAX_CANDIDATES, Estimates, Outcome, _Compiled, search, spread
-from ._tune import pool, timings, tuned
+from ._tune import Timed, pool, timings, tuned
 
 logger = logging.getLogger("smartremat")
 
+Runs = tuple  #: what runs: one assignment per module call (`((path, option), ...)` each)
 
-@dataclass(frozen=True, kw_only=True)
-class Config:
-    """What the user asked for; part of every cache key."""
 
-    budget_bytes: int
-    policies: tuple
-    budget_mb: float = 0.0
-    blocks: Callable | None = None
-    calibrate: bool = True
-    verify: bool = True
-    plan: Plan | None = None
-    scan_segments: int = 2
-    nested: bool = True
-    losses: tuple = DEFAULT_LOSSES
-    tune: bool = False
+class Target(Protocol):
+    """What one planning compiles as "the step", and how it words what it finds."""
+
+    @property
+    def name(self) -> str: ...  # what progress and the log call it
+    def key(self) -> Hashable: ...
+    def disk_key(self, config: Config) -> str | None: ...
+    def model(self, config: Config, progress: Callable[[str], None]) -> MemoryModel: ...
+    def refined(self, model: MemoryModel, config: Config) -> tuple[MemoryModel, Config]: ...
+    def runs(self, model: MemoryModel, choice: tuple[int, ...]) -> Runs: ...
+    def measure(self, runs: Runs, config: Config, every_loss: bool) -> tuple[int, float]: ...
+    def losses(self, config: Config) -> int: ...
+    def timed(self, runs: Runs, config: Config) -> Timed: ...
+    def too_low(self, config: Config, model: MemoryModel, floor: int, compiled: bool) -> Exception: ...
+    def signature(self) -> str: ...
+    def notes(self, model: MemoryModel) -> tuple[str, ...]: ...
 
 
 @dataclass(frozen=True)
-class MemoryModel:
-    """The memory model of the user's module, built from its profiled block calls: the calls,
-    their profiles, and the solver's stages.
+class Planned:
+    """A plan and what runs: one assignment per module call of the step."""
 
-    A scanned call gives one stage per iteration, in the order the scan runs them; `owner[i]`
-    is the index of stage `i`'s call; `menus[c]` are call `c`'s options (the policy menu, then
-    its nested options), indexed like its stage's figures.
-    """
-
-    calls: tuple[BlockCall, ...]
-    profiles: tuple[BlockProfile, ...]
-    stages: tuple[Stage, ...]
-    fixed_bytes: int
-    owner: tuple[int, ...]
-    menus: tuple[tuple, ...]
+    plan: Plan
+    runs: Runs
 
 
-_PLANS: KeyedCache[Plan] = KeyedCache()
+_PLANS: KeyedCache[Planned] = KeyedCache()
 
 
-def get_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Plan:
-    """The plan for this call, signature, config and environment, made once."""
-    key = (call, spec.key(), config, *environment_key())
-    return _PLANS.get(key, lambda: _stored_or_made(call, spec, module, config))
+def planned(target: Target, config: Config) -> Planned:
+    """The plan of `target` under `config`: made once per key in this process, read from the disk
+    cache (`_disk`) where it holds one, else made and stored there."""
+    return _PLANS.get((target.key(), config), lambda: _stored_or_made(target, config))
 
 
-def _stored_or_made(call: Callable, spec: CallSpec, module: Any, config: Config) -> Plan:
-    """The plan from the disk cache (`_disk`) if it holds one for this key, else a new plan,
-    stored there."""
+def _stored_or_made(target: Target, config: Config) -> Planned:
     t0 = time.perf_counter()
-    text = _disk.plan_key(call, spec, config)
+    text = target.disk_key(config)
     stored = _disk.load(text)
-    if stored is None:
-        plan = make_plan(call, spec, module, config)
-        _disk.store(text if not untimed(config, plan) else None, plan)
-        return plan
-    plan = _disk.loaded(stored[0], time.perf_counter() - t0)
-    _log(type(module).__name__, plan)
-    return plan
+    if stored is not None:
+        plan = _disk.loaded(stored[0], time.perf_counter() - t0)
+        _log(target.name, plan)
+        return Planned(plan, stored[1])
+    made = make_plan(target, config)
+    _disk.store(None if untimed(config, made.plan) else text, made.plan, made.runs)
+    return made
 
 
 def untimed(config: Config, plan: Plan) -> bool:
@@ -99,140 +89,23 @@ def untimed(config: Config, plan: Plan) -> bool:
     return config.tune and not plan.timed
 
 
-def _option_of(profile: BlockProfile, option: Option) -> PolicyProfile:
-    found = _find_option(profile, option)
-    if found is None:
-        raise KeyError(option.name)
-    return found
-
-
-def _find_option(profile: BlockProfile, option: Option) -> PolicyProfile | None:
-    """The profile of `option` (or of the option it was merged into); `None` if it failed for the block."""
-    return next((o for o in profile.options if o.stands_for(option)), None)
-
-
-def _available(calls: tuple[BlockCall, ...], profiles: tuple, menus: tuple) -> tuple[tuple, ...]:
-    """Each call's menu less the options that failed for its block (in any of its calls, which
-    are tied by option index)."""
-    failed: dict = {}
-    for c, prof, menu in zip(calls, profiles, menus):
-        failed.setdefault(c.path, set()).update(i for i, pol in enumerate(menu) if _find_option(prof, pol) is None)
-    return tuple(tuple(pol for i, pol in enumerate(menu) if i not in failed[c.path]) for c, menu in zip(calls, menus))
-
-
-def uniform(model: MemoryModel, option: Option) -> tuple[int, ...]:
-    """The choice giving every block `option` (no remat where it failed for a block), or the
-    option it was merged into for a block (the same residuals, so the same program) where all the
-    block's calls merged it alike, so that uniform plans that are one program are one choice."""
-    same: dict[Path, Option] = {}
-    for ci in model.owner:
-        found = _find_option(model.profiles[ci], option)
-        kept = found.option if found is not None else NO_REMAT
-        path = model.calls[ci].path
-        same[path] = kept if same.get(path, kept) == kept else option
-    return tuple(next((i for i, p in enumerate(model.menus[ci]) if p == same[model.calls[ci].path]), 0)
-                 for ci in model.owner)
-
-
-def build_model(call: Callable, spec: CallSpec, module: Any, config: Config,
-                progress: Callable[[str], None] = logger.debug) -> MemoryModel:
-    """Discover the block calls and profile each distinct one under every option."""
-    found = discover(module, call, spec, config.blocks)
-    calls = tuple(expanded(module, call, spec, found) if config.blocks is None else found)
-    menus = _menus(calls, config)
-    profiles = []
-    for k, (c, menu) in enumerate(zip(calls, menus)):
-        progress(f"profiling block call {k + 1} of {len(calls)}: {path_str(c.path)} ({c.type_name})")
-        profiles.append(profile_block(c.spec, call if c.path == () else call_module, menu, config.calibrate, c.ends))
-    profiles = tuple(profiles)
-    menus = _available(calls, profiles, menus)
-    groups = {p: i for i, p in enumerate(dict.fromkeys(c.path for c in calls))}
-    stages, owner = [], []
-    for ci, (c, prof) in enumerate(zip(calls, profiles)):
-        opts = [_option_of(prof, pol) for pol in menus[ci]]
-        if c.scan is None:
-            stages.append(Stage(*_figures(opts, scanned=False), groups[c.path]))
-            owner.append(ci)
-            continue
-        for _ in range(c.scan.length):  # each iteration its own group, pieces limited per run
-            stages.append(Stage(*_figures(opts, scanned=True), len(groups) + len(stages), c.scan.eqn,
-                                config.scan_segments, c.scan.xs_bytes))
-            owner.append(ci)
-    fixed = _fixed_bytes(call, spec, calls, profiles, config)
-    return MemoryModel(calls, profiles, tuple(stages), fixed, tuple(owner), menus)
-
-
-def _menus(calls: tuple[BlockCall, ...], config: Config) -> tuple[tuple, ...]:
-    """Per call: the policy menu, then (with `config.nested`) its nested options."""
-    found: dict = {}
-    out = []
-    for c in calls:
-        if not config.nested or c.path == ():
-            out.append(config.policies)
-            continue
-        if c.path not in found:  # one menu per block: its calls are tied by option index
-            found[c.path] = nested_options(c, config.policies)
-        out.append(config.policies + found[c.path])
-    return tuple(out)
-
-
-def _figures(opts: list, scanned: bool) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """`(saved, peak, cost)` per option. A scan stacks each iteration's residuals as the jaxpr
-    has them (XLA cannot fuse them away across the loop), so a scanned stage keeps the jaxpr
-    count, plus the compiler's transient for its own backward."""
-    if not scanned:
-        return (tuple(o.saved_bytes for o in opts), tuple(o.peak_bytes for o in opts),
-                tuple(o.recompute.flops for o in opts))
-    saved = tuple(o.residual_bytes for o in opts)
-    peak = tuple(o.residual_bytes + max(o.peak_bytes - max(o.saved_bytes, 0), 0) for o in opts)
-    return saved, peak, tuple(o.recompute.flops for o in opts)
-
-
-def _fixed_bytes(call: Callable, spec: CallSpec, calls: Sequence[BlockCall], profiles: Sequence[BlockProfile],
-                 config: Config) -> int:
-    """Residuals of the work outside blocks (embedding, head, ...), held for the whole pass."""
-    if len(calls) == 1 and calls[0].path == ():
-        return 0
-    full = _full_remat(config.policies)
-    usable = {c.path: full if _find_option(p, full) is not None else NO_REMAT for c, p in zip(calls, profiles)}
-    assignment = tuple(usable.items())
-    f = spec.function(lambda m, *a, **k: run(m, call, assignment, a, k))
-    internal, _, _ = _residuals(f, spec, n_module_leaves(spec))
-    block_inputs = sum(_option_of(p, usable[c.path]).residual_bytes * (c.scan.length if c.scan else 1)
-                       for c, p in zip(calls, profiles))
-    return max(internal - block_inputs, 0)
-
-
-def choices_of(model: MemoryModel, choice: tuple[int, ...]) -> dict[Path, Option]:
-    """`{block path: chosen option or Segments}`, one entry per distinct block."""
-    per_call: dict[int, list[int]] = {}
-    for ci, o in zip(model.owner, choice):
-        per_call.setdefault(ci, []).append(o)
-    seen: dict = {}
-    for ci, opts in per_call.items():
-        c = model.calls[ci]
-        if c.path in seen:
-            continue
-        menu = model.menus[ci]
-        seen[c.path] = menu[opts[0]] if c.scan is None else _segments(opts, c.scan.reverse, menu)
-    return seen
-
-
-def assignment_of(model: MemoryModel, choice: tuple[int, ...]) -> tuple[Entry, ...]:
-    """`((path, option), ...)` to apply: a nested option becomes its sub-blocks' entries (paths
-    below the block's), the block itself left alone."""
-    return tuple(dict(expand(tuple(choices_of(model, choice).items()))).items())
-
-
-def _segments(opts: list[int], reverse: bool, policies: tuple[Option, ...]) -> Option:
-    """Run-length pieces over the stacked axis (a reversed scan runs it from the end)."""
-    by_index = opts[::-1] if reverse else opts
-    pieces, start = [], 0
-    for i in range(1, len(by_index) + 1):
-        if i == len(by_index) or by_index[i] != by_index[start]:
-            pieces.append((start, i, policies[by_index[start]]))
-            start = i
-    return pieces[0][2] if len(pieces) == 1 else Segments(tuple(pieces))
+def make_plan(target: Target, config: Config) -> Planned:
+    """discover, profile, model, refine, solve, verify, assemble: the plan for `target`."""
+    t0 = time.perf_counter()
+    progress = progress_log(target.name, t0)
+    model, config = target.refined(target.model(config, progress), config)
+    lowest = min_peak(model.stages)
+    sol = solve(model.stages, config.budget_bytes - model.fixed_bytes)
+    outcome = None
+    if config.verify:
+        sol, outcome = verified(model, config, target, sol or lowest, lowest, progress)
+    elif sol is None:
+        raise target.too_low(config, model, lowest.peak + model.fixed_bytes, compiled=False)
+    plan = assemble(model, config, sol, lowest, outcome, time.perf_counter() - t0, target)
+    if cpu_barrier_missing():
+        warnings.warn("smartremat: " + CPU_NOTE + ".", stacklevel=2)
+    _log(target.name, plan)
+    return Planned(plan, target.runs(model, sol.choice))
 
 
 _QUIET_SECONDS = 2.0
@@ -250,68 +123,11 @@ def progress_log(name: str, t0: float) -> Callable[[str], None]:
     return say
 
 
-def make_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Plan:
-    t0 = time.perf_counter()
-    progress = progress_log(type(module).__name__, t0)
-    model = build_model(call, spec, module, config, progress)
-    if config.calibrate:
-        model = _with_head(model, call, spec, config.losses[0])
-    stages, fixed = model.stages, model.fixed_bytes
-    lowest = min_peak(stages)
-    sol = solve(stages, config.budget_bytes - fixed)
-    if sol is None and not config.verify:
-        raise infeasible(config, spec, lowest.peak + fixed, "predicted by smartremat's model", unplanned(model))
-    outcome = None
-    if config.verify:
-        def measure(choice: tuple[int, ...]) -> tuple[int, float]:
-            return compiled_step(call, spec, assignment_of(model, choice), config.losses[:1])
-
-        def confirm(choice: tuple[int, ...]) -> tuple[int, float]:
-            return compiled_step(call, spec, assignment_of(model, choice), config.losses)
-
-        def error(floor: int) -> ValueError:
-            return infeasible(config, spec, floor, "compiled temp bytes of the training step", unplanned(model))
-
-        def time_of(choices: list) -> list[tuple[float, ...]]:
-            return timings([timed_step(call, spec, assignment_of(model, c), config.losses[0]) for c in choices])
-
-        sol, outcome = verified(model, config, measure, error, sol or lowest, lowest, progress,
-                                confirm if len(config.losses) > 1 else None, time_of if config.tune else None)
-    assert sol is not None  # unverified, an unsolvable budget raised above
-    plan = assemble(model, config, sol, lowest, outcome, time.perf_counter() - t0, signature(call, spec))
-    if cpu_barrier_missing():
-        warnings.warn("smartremat: " + CPU_NOTE + ".", stacklevel=2)
-    _log(type(module).__name__, plan)
-    return plan
-
-
-def _with_head(model: MemoryModel, call: Callable, spec: CallSpec, loss: Any) -> MemoryModel:
-    """`_head.in_place`, or `model` as it is where that measure fails: it only refines the model."""
-    try:
-        return in_place(model, call, spec, loss)
-    except Exception as e:
-        logger.debug("smartremat: the head after the last block was not measured (%s: %s)", type(e).__name__, e)
-        return model
-
-
-def _log(name: str, plan: Plan) -> None:
-    """INFO on the `smartremat` logger; with SMARTREMAT_LOG=1 printed even without logging set up.
-    The table is rendered only when someone will read it."""
-    printed = os.environ.get("SMARTREMAT_LOG", "") not in ("", "0")
-    if not (printed or logger.isEnabledFor(logging.INFO)):
-        return
-    message = f"smartremat planned {name}:\n{plan}"
-    if printed and not logger.isEnabledFor(logging.INFO):
-        print(message, flush=True)
-    logger.info(message)
-
-
 _MAX_FRONTIER_STAGES = 64
 
 
-def verified(model: MemoryModel, config: Config, measure: Callable, error: Callable,
-             sol: Solution, lowest: Solution, progress: Callable[[str], None] = logger.debug,
-             confirm: Callable | None = None, time_of: Callable | None = None) -> tuple[Solution, Outcome]:
+def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, lowest: Solution,
+             progress: Callable[[str], None] = logger.debug) -> tuple[Solution, Outcome]:
     """The cheapest candidate whose compiled temp bytes fit the budget (within `_search.TIE_MARGIN`,
     the one of fewest temp bytes), found by `_search.search`
     with few whole-step compiles.
@@ -322,9 +138,10 @@ def verified(model: MemoryModel, config: Config, measure: Callable, error: Calla
     out (`_search`). "Cheapest" is the fewest compiled FLOPs, or the model's FLOPs when a block
     is scanned (XLA's cost analysis counts a loop body once, docs/facts.md fact 7).
 
-    With `time_of` (`tune=True`), the fitting candidates of `_tune.pool` are timed by it, and the
+    With `tune=True`, the fitting candidates of `_tune.pool` are timed by it, and the
     one of the lowest median time replaces that choice (`_fastest`, `_tune.tuned`).
     """
+    measure, confirm, time_of = _measures(model, config, target)
     stages = model.stages
     front = frontier(stages) if len(stages) <= _MAX_FRONTIER_STAGES else sorted({lowest, sol}, key=lambda s: s.peak)
     points = spread(front, MAX_CANDIDATES)
@@ -340,11 +157,30 @@ def verified(model: MemoryModel, config: Config, measure: Callable, error: Calla
         return cost_of(stages, choice)
 
     uniforms = list(dict.fromkeys(uniform(model, p) for p in config.policies))
+
+    def error(floor: int) -> Exception:
+        return target.too_low(config, model, floor, compiled=True)
+
     out = search([p.choice for p in points], uniforms, Estimates(peak, flops), config.budget_bytes, measure, rank,
                  error, progress, confirm)
-    if time_of is not None:
+    if config.tune:
         out = _fastest(out, [p.choice for p in points], uniforms, config, measure, confirm, time_of, peak, progress)
     return Solution(out.choice, peak_of(stages, out.choice), cost_of(stages, out.choice)), out
+
+
+def _measures(model: MemoryModel, config: Config, target: Target) -> tuple[Callable, Callable | None, Callable]:
+    """`(measure, confirm, time_of)` of candidate choices on the target's step: compiled under its
+    first loss, under all of them (`None` where it has one), timed (`_tune.timings`)."""
+    def measure(choice: tuple[int, ...]) -> tuple[int, float]:
+        return target.measure(target.runs(model, choice), config, every_loss=False)
+
+    def confirm(choice: tuple[int, ...]) -> tuple[int, float]:
+        return target.measure(target.runs(model, choice), config, every_loss=True)
+
+    def time_of(choices: list) -> list[tuple[float, ...]]:
+        return timings([target.timed(target.runs(model, c), config) for c in choices])
+
+    return measure, confirm if target.losses(config) > 1 else None, time_of
 
 
 #: The warning when `tune=True` cannot run its candidates.
@@ -360,7 +196,7 @@ def _fastest(out: Outcome, points: list, uniforms: list, config: Config, measure
     (`_tune.tuned`), the candidates it compiled and timed added. Where running them fails (out of
     device memory: timing holds a second copy of the inputs), a warning says so and the search's
     outcome stays, with no times (`Plan.timed` empty: such a plan is not stored on disk)."""
-    compiled = _Compiled(measure, progress, confirm)
+    compiled = CandidateFigures(measure, progress, confirm)
     try:
         choice, timed = tuned(out, pool(points, uniforms, out.choice), config.budget_bytes, compiled, time_of,
                               progress)
@@ -376,46 +212,6 @@ def _fastest(out: Outcome, points: list, uniforms: list, config: Config, measure
                    tuple(checked.values()), timed, out.skipped + compiled.skipped)
 
 
-def unplanned(model: MemoryModel) -> tuple[str, ...]:
-    """Why some blocks of the model's module(s) are left as they run (called inside loops)."""
-    return tuple(dict.fromkeys(r for c in model.calls for r in c.unplanned))
-
-
-def unplanned_text(reasons: tuple[str, ...]) -> str:
-    """For an error about a budget that is too low: the blocks remat could not reach, and why."""
-    return "".join(f" Note: {r}." for r in reasons)
-
-
-def infeasible(config: Config, spec: CallSpec, floor: int, kind: str, reasons: tuple[str, ...] = ()) -> ValueError:
-    empty = no_policy_error(config.policies, config.budget_mb, floor)
-    if empty is not None:
-        return empty
-    shapes = ", ".join(f"{d.dtype}{list(d.shape)}" for d in spec.dynamic[n_module_leaves(spec):])
-    up = math.ceil(floor / MB * 100) / 100
-    return ValueError(
-        f"`smartremat(budget_mb={config.budget_mb:g})` is below the lowest peak any remat plan "
-        f"reaches for this module on inputs ({shapes}): {floor / MB:.3f} MB ({kind}). Raise "
-        f"`budget_mb` to at least {up:.2f}, lower the batch size, or name finer blocks with "
-        "`blocks=` so that smaller pieces can be recomputed." + unplanned_text(reasons) + _unseen_sharding(spec)
-        + barrier_hint()
-    )
-
-
-def _unseen_sharding(spec: CallSpec) -> str:
-    """Several devices, no sharding seen: say why the figures are for one device, and what to do."""
-    if not shardings_hidden(spec):
-        return ""
-    return (
-        f" These figures are for one device running the whole call: smartremat sees no sharding on "
-        f"it although {jax.device_count()} devices are present. If the step runs over a "
-        "`jax.sharding.Mesh` whose axes are Auto (e.g. `Mesh(jax.devices(), ('data',))` with "
-        "`NamedSharding` inputs), JAX hides each device's share inside `jit`: plan the whole step "
-        "with `smartremat.filter_jit(step, budget_mb=...)`, which compiles it with your arguments' "
-        "shardings and holds the budget per device, or make the mesh with Explicit axes "
-        "(`jax.make_mesh(shape, names)`), whose shardings smartremat reads."
-    )
-
-
 def _blocks(model: MemoryModel, config: Config, choice: tuple[int, ...]) -> tuple[PlanBlock, ...]:
     """One row per distinct block; a scan split into pieces gives one row per piece."""
     chosen = choices_of(model, choice)
@@ -429,7 +225,7 @@ def _blocks(model: MemoryModel, config: Config, choice: tuple[int, ...]) -> tupl
         rows = chosen[path].rows(path_str(path))
         used = {q for _, _, q in rows}
         shown = [o for o in prof.options if o.option in config.policies or used & {o.option, *o.merged}]
-        saved, peak, cost = _figures(shown, scanned=c.scan is not None)
+        saved, peak, cost = stage_figures(shown, scanned=c.scan is not None)
         figures = tuple(PolicyFigures(o.name, s, pk, f, tuple(m.name for m in o.merged))
                         for o, s, pk, f in zip(shown, saved, peak, cost))
         out += [PlanBlock(label, c.type_name, counts[path] if n is None else n, q.name, figures)
@@ -437,13 +233,8 @@ def _blocks(model: MemoryModel, config: Config, choice: tuple[int, ...]) -> tupl
     return tuple(out)
 
 
-def _full_remat(menu: tuple[Option, ...]) -> Option:
-    """`nothing_saveable` if on the menu, else the menu's last option."""
-    return FULL_REMAT if FULL_REMAT in menu else menu[-1]
-
-
 def assemble(model: MemoryModel, config: Config, sol: Solution, lowest: Solution,
-             outcome: Outcome | None, seconds: float, sig: str) -> Plan:
+             outcome: Outcome | None, seconds: float, target: Target) -> Plan:
     """The `Plan` of choice `sol`; its compile count is the search's: each candidate under the
     first loss, the confirmed ones under the others too."""
     stages, fixed = model.stages, model.fixed_bytes
@@ -452,7 +243,7 @@ def assemble(model: MemoryModel, config: Config, sol: Solution, lowest: Solution
         budget_bytes=config.budget_bytes,
         predicted_peak_bytes=sol.peak + fixed,
         no_remat_peak_bytes=peak_of(stages, (0,) * len(stages)) + fixed,
-        full_remat_peak_bytes=peak_of(stages, uniform(model, _full_remat(config.policies))) + fixed,
+        full_remat_peak_bytes=peak_of(stages, uniform(model, full_remat(config.policies))) + fixed,
         min_peak_bytes=lowest.peak + fixed,
         recompute_flops=sol.cost,
         forward_flops=sum(p.forward.flops * (c.scan.length if c.scan else 1)
@@ -462,15 +253,15 @@ def assemble(model: MemoryModel, config: Config, sol: Solution, lowest: Solution
         compiled_flops=None if compiled is None else float(compiled[1]),
         fixed_bytes=fixed,
         planning_seconds=seconds,
-        compiles=0 if outcome is None else len(outcome.measured) + len(outcome.confirmed) * (len(config.losses) - 1),
+        compiles=0 if outcome is None else len(outcome.measured) + len(outcome.confirmed) * (target.losses(config) - 1),
         checked=() if outcome is None else outcome.checked,
         timed=() if outcome is None else outcome.timed,
         backend=jax.default_backend(),
-        notes=tuple(_notes(model, sol)) + _skipped_note(outcome) + unplanned(model),
+        notes=tuple(_notes(model, sol)) + _skipped_note(outcome) + unplanned(model) + target.notes(model),
         assignment=assignment_of(model, sol.choice),
         stages=stages,
         menu=tuple(p.name for p in config.policies),
-        signature=sig,
+        signature=target.signature(),
     )
 
 
@@ -479,17 +270,6 @@ def _skipped_note(outcome: Outcome | None) -> tuple[str, ...]:
         return ()
     return (f"{outcome.skipped} candidate plan(s) could not be built (a scan split into pieces whose "
             "operands differ between policies) and were skipped",)
-
-
-CPU_NOTE = (
-    "on the CPU backend XLA removes remat's optimisation barriers before CSE, so remat outside "
-    "loops saves nothing unless XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander is set "
-    "before JAX is imported"
-)
-
-
-def cpu_barrier_missing() -> bool:
-    return jax.default_backend() == "cpu" and "cse_barrier_expander" not in os.environ.get("XLA_FLAGS", "")
 
 
 def _notes(model: MemoryModel, sol: Solution) -> list[str]:
@@ -508,3 +288,17 @@ def _notes(model: MemoryModel, sol: Solution) -> list[str]:
     notes.append(f"the peak is reached in the backward of {path_str(model.calls[model.owner[at]].path)} "
                  f"({model.calls[model.owner[at]].type_name}), while {earlier}")
     return notes
+
+
+def _log(name: str, plan: Plan) -> None:
+    """INFO on the `smartremat` logger; with SMARTREMAT_LOG=1 printed even without logging set up.
+    The table is rendered only when someone will read it."""
+    printed = os.environ.get("SMARTREMAT_LOG", "") not in ("", "0")
+    if not (printed or logger.isEnabledFor(logging.INFO)):
+        return
+    message = f"smartremat planned {name}:\n{plan}"
+    if printed and not logger.isEnabledFor(logging.INFO):
+        print(message, flush=True)
+    logger.info(message)
+
+

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from ._options import NO_REMAT, NoRemat, Option, Policy, PolicyError
-from ._plan import MB
+from ._env import MB
 
 __all__ = ["DEFAULT_MENU", "FULL_REMAT", "NO_REMAT", "PolicyError", "normalise_policies", "no_policy_error"]
 

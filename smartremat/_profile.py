@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from ._cache import KeyedCache, environment_key, measuring_options, profiling_options
+from ._cache import KeyedCache
+from ._env import environment_key, measuring_options, profiling_options
+from ._memory import raised_peaks
 from ._cost import Cost, aval_bytes, floating_leaves, jaxpr_cost
 from ._options import NO_REMAT, Option, PolicyError
 from ._spec import CallSpec, scatter
@@ -117,7 +119,7 @@ def grad_step(f: Callable, spec: CallSpec, loss: Callable = _loss) -> Callable:
     return step
 
 
-def _residuals(f: Callable, spec: CallSpec, n_module: int) -> tuple[int, int, tuple]:
+def residuals(f: Callable, spec: CallSpec, n_module: int) -> tuple[int, int, tuple]:
     """(internal residual bytes, saved-argument bytes, signature) of `f`'s VJP."""
     diff_idx, g = split_diff(f, spec)
 
@@ -179,7 +181,7 @@ def compiled_temp(fn: Callable, spec: CallSpec | tuple, options: dict | None = N
 
 def _compiled_temps(jobs: Sequence[tuple[Callable, tuple]]) -> list[int]:
     """`compiled_temp` of each `(function, avals)` job, compiled in parallel threads with the
-    options for block profiles (`_cache.profiling_options`)."""
+    options for block profiles (`_env.profiling_options`)."""
     options = profiling_options()
     with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
         return [t for t, _ in pool.map(lambda job: compiled_temp(job[0], job[1], options), jobs)]
@@ -234,8 +236,9 @@ def _at_the_end(profile: BlockProfile, spec: CallSpec, call: Callable) -> BlockP
         return profile
     jobs = [(grad_step(o.option.profiled(spec, call), spec, _square_loss), spec.dynamic) for o in profile.options]
     temps = _compiled_temps(jobs)
-    options = tuple(dataclasses.replace(o, peak_bytes=max(t, o.peak_bytes, o.saved_bytes))
-                    for o, t in zip(profile.options, temps))
+    peaks = raised_peaks([o.saved_bytes for o in profile.options], [max(o.peak_bytes, o.saved_bytes) for o in profile.options],
+                         [t - o.saved_bytes for o, t in zip(profile.options, temps)])
+    options = tuple(dataclasses.replace(o, peak_bytes=pk) for o, pk in zip(profile.options, peaks))
     return dataclasses.replace(profile, options=options)
 
 
@@ -271,7 +274,7 @@ def _measure(spec: CallSpec, call: Callable, menu: tuple, base: Cost,
     for option in menu:
         f = option.profiled(spec, call)
         try:
-            internal, args, sig = _residuals(f, spec, n_module)
+            internal, args, sig = residuals(f, spec, n_module)
             if sig in seen and option != NO_REMAT:  # same residuals as an earlier option: merge
                 merged[seen[sig]].append(option)
                 continue

@@ -104,7 +104,7 @@ def spread(front: Sequence, n: int) -> list:
     return [front[i] for i in idx]
 
 
-class _Compiled:
+class CandidateFigures:
     """Compiled `(temp, flops)` per candidate, measured in parallel batches, in order asked.
 
     `figures[c]` is exact once `c` is confirmed (or when there is no `confirm`: one loss), else
@@ -190,7 +190,7 @@ def search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimate
     - `error`: the exception to raise, given the lowest compiled temp, when nothing fits.
     - `confirm`: a choice's compiled figures under every loss (the largest temp), if several.
     """
-    compiled = _Compiled(measure, progress, confirm)
+    compiled = CandidateFigures(measure, progress, confirm)
     compiled.raising = True
     while True:  # a candidate found unbuildable leaves the frontier, and the search goes on without it
         built = [u for u in uniforms if compiled.figures.get(u) != UNBUILT]
@@ -206,7 +206,7 @@ class _Unbuilt(Exception):
 
 
 def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimates, budget: int,
-            compiled: _Compiled, rank: Callable[[Choice, float], float], error: Callable[[int], Exception]) -> Outcome:
+            compiled: CandidateFigures, rank: Callable[[Choice, float], float], error: Callable[[int], Exception]) -> Outcome:
     predicted = [model.peak(p) for p in points]
     spare = _Spare(uniforms, model, compiled, points, predicted, budget, rank)
     guess = _guess(points, predicted, {}, budget, 0, len(points))
@@ -235,13 +235,13 @@ def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimat
                            skipped=compiled.skipped)
 
 
-def _best(compiled: _Compiled, budget: int, rank: Callable[[Choice, float], float]) -> Choice | None:
+def _best(compiled: CandidateFigures, budget: int, rank: Callable[[Choice, float], float]) -> Choice | None:
     """The compiled candidate that fits (as far as known) with the lowest rank."""
     fits = [(rank(c, f), t, c) for c, (t, f) in compiled.figures.items() if t <= budget]
     return min(fits)[2] if fits else None
 
 
-def _chosen(compiled: _Compiled, budget: int, rank: Callable[[Choice, float], float],
+def _chosen(compiled: CandidateFigures, budget: int, rank: Callable[[Choice, float], float],
             uniforms: Sequence[Choice]) -> Choice | None:
     """Among the compiled candidates that fit, those within `TIE_MARGIN` of the lowest rank and
     no costlier than any fitting uniform plan are tied; the one of fewest temp bytes wins."""
@@ -253,7 +253,7 @@ def _chosen(compiled: _Compiled, budget: int, rank: Callable[[Choice, float], fl
     return min((t, r, c) for r, t, c in fits if r <= cap)[2]
 
 
-def _could_win(uniforms: Sequence[Choice], model: Estimates, compiled: _Compiled, points: Sequence[Choice],
+def _could_win(uniforms: Sequence[Choice], model: Estimates, compiled: CandidateFigures, points: Sequence[Choice],
                predicted: Sequence[float], budget: int, best: Choice, rank: Callable[[Choice, float], float],
                against: Choice | None = None) -> list[Choice]:
     """The uniform plans not compiled yet that the model does not rule out: they could fit and
@@ -279,7 +279,7 @@ class _Spare:
 
     uniforms: Sequence[Choice]
     model: Estimates
-    compiled: _Compiled
+    compiled: CandidateFigures
     points: Sequence[Choice]
     predicted: Sequence[float]
     budget: int
@@ -301,7 +301,7 @@ class _Spare:
         return batch + tuple(ready[: SPARE_BATCH - len(batch)])
 
 
-def _bracket(points: Sequence[Choice], predicted: Sequence[float], compiled: _Compiled, budget: int,
+def _bracket(points: Sequence[Choice], predicted: Sequence[float], compiled: CandidateFigures, budget: int,
              spare: Callable[..., tuple[Choice, ...]]) -> None:
     """Compile frontier points until a fitting one is known and the next cheaper one misses,
     compiled or as predicted by more than `MISS_MARGIN` (or the cheapest point fits).

@@ -9,11 +9,13 @@ from collections.abc import Callable
 
 import jax
 
-from ._plan import MB, Plan, PlanBlock, PolicyFigures
+from ._memory import Stage
+from ._plan import Plan, PlanBlock, PolicyFigures
+from ._env import MB
 from ._options import Nested, Option, from_json
 from ._policies import DEFAULT_MENU
 from ._spec import CallSpec
-from ._discover import path_str
+from ._paths import path_str
 
 _BY_NAME = {o.name: o for o in DEFAULT_MENU}
 
@@ -24,23 +26,6 @@ def signature(call: Callable, spec: CallSpec) -> str:
     text = repr((getattr(call, "__qualname__", repr(call)), str(spec.treedef), dyn, spec.in_axes,
                  spec.axis_size, jax.default_backend()))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def plan_data(plan: Plan) -> dict:
-    """The JSON-ready dict `Plan.save` writes: the figures, the signature and the assignment."""
-    data = plan.to_dict()
-    data["signature"] = plan.signature
-    data["assignment"] = assignment_to_json(plan.assignment)
-    return data
-
-
-def plan_to_json(plan: Plan) -> str:
-    return json.dumps(plan_data(plan), indent=1)
-
-
-def assignment_to_json(assignment: tuple) -> list:
-    """`((path, option), ...)` as JSON: each path a list of its steps, each option its `to_json`."""
-    return [[[list(step) for step in path], option.to_json()] for path, option in assignment]
 
 
 def assignment_from_json(data: list) -> tuple:
@@ -110,6 +95,8 @@ def _plan_of(data: dict) -> Plan:
         backend=data["backend"], notes=tuple(data["notes"]),
         assignment=assignment_from_json(data["assignment"]),
         signature=str(data["signature"]),
+        stages=tuple(Stage(tuple(a), tuple(b), tuple(c), *rest) for a, b, c, *rest in data.get("stages", [])),
+        menu=tuple(data.get("menu", [])),
     )
 
 

@@ -16,7 +16,7 @@ from jax.core import Tracer
 import numpy as np
 
 from . import _jax_private
-from ._cache import Identity
+from ._cache import Identity, register_clear
 
 
 def _is_array(x: Any) -> bool:
@@ -142,6 +142,9 @@ def _concrete_mesh(sizes: tuple, names: tuple, types: tuple) -> jax.sharding.Mes
     """A device mesh for an abstract one seen inside `jit`: the first devices, in order."""
     devices = np.array(jax.devices()[: math.prod(sizes)]).reshape(sizes)
     return jax.sharding.Mesh(devices, names, axis_types=types)
+
+
+register_clear(_concrete_mesh.cache_clear)
 
 
 def shardings_hidden(spec: CallSpec) -> bool:

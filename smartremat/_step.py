@@ -24,10 +24,12 @@ from jax.core import Tracer
 import numpy as np
 
 from . import _intercept, _jax_private
-from ._apply import run
-from ._cache import KeyedCache, environment_key, measuring_options
+from ._options import run
+from ._cache import KeyedCache
+from ._env import environment_key, measuring_options
 from ._decorator import config_of
 from ._profile import mesh_context
+from ._verify import assignment_key
 from ._spec import CallSpec, abstract, hashable, is_traced, make_spec, merge_leaves
 
 
@@ -383,9 +385,7 @@ def figures_of(compiled: Any) -> StepFigures:
 def step_key(sig: Signature, entry_of: tuple, donate: str) -> tuple:
     """What a compiled step depends on: its signature (the step's included), the plan of each module call,
     the donation, the backend and the flags (a key for `step_figures` and `tune=True`'s times)."""
-    from ._verify import _assignment_key
-
-    return (sig.key(), tuple(_assignment_key(a) for a in entry_of[1]), donate, *environment_key())
+    return (sig.key(), tuple(assignment_key(a) for a in entry_of[1]), donate, *environment_key())
 
 
 def step_figures(sig: Signature, entry_of: tuple, donate: str) -> StepFigures:

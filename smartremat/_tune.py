@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from ._cache import KeyedCache
-from ._search import Choice, Outcome, _Compiled, spread
+from ._search import Choice, Outcome, CandidateFigures, spread
 
 #: Frontier points of lower predicted peak than the search's choice that are timed beside it.
 TUNE_FRONTIER = 3
@@ -162,7 +162,7 @@ def pool(points: Sequence[Choice], uniforms: Sequence[Choice], chosen: Choice) -
     return list(dict.fromkeys([chosen, *uniforms, *spread(below, TUNE_FRONTIER)]))
 
 
-def tuned(outcome: Outcome, candidates: Sequence[Choice], budget: int, compiled: _Compiled,
+def tuned(outcome: Outcome, candidates: Sequence[Choice], budget: int, compiled: CandidateFigures,
           time_of: Callable[[Sequence[Choice]], list[tuple[float, ...]]],
           progress: Callable[[str], None]) -> tuple[Choice, tuple[tuple[int, float, float], ...]]:
     """`(fastest choice, timed)`: `candidates` (the search's choice first) compiled for their temp

@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ._cache import Identity, KeyedCache, environment_key
+from ._cache import Identity, KeyedCache
+from ._env import environment_key
 from ._cost import floating_leaves
-from ._apply import Assignment, run
+from ._options import Assignment, run
 from ._profile import compiled_temp, mesh_context, n_module_leaves, split_diff
 from ._spec import CallSpec, placed_sharding
 from ._tune import Timed
@@ -141,8 +142,8 @@ def compiled_step(call: Callable, spec: CallSpec, assignment: Assignment,
 def compiled_one(call: Callable, spec: CallSpec, assignment: Assignment, loss: Any,
                  options: dict | None = None) -> tuple[int, float]:
     """`(temp bytes, flops)` of the training step under `assignment` and one loss, compiled with
-    XLA `options` (`_cache.measuring_options()` by default: the figures of the step that runs)."""
-    key = (spec.key(), call, _assignment_key(assignment), loss, _options_key(options), *environment_key())
+    XLA `options` (`_env.measuring_options()` by default: the figures of the step that runs)."""
+    key = (spec.key(), call, assignment_key(assignment), loss, _options_key(options), *environment_key())
 
     return _CACHE.get(key, lambda: compiled_temp(*loss_step(_planned(call, spec, assignment), spec, loss), options))
 
@@ -161,14 +162,14 @@ def timed_step(call: Callable, spec: CallSpec, assignment: Assignment, loss: Any
         with mesh_context(avals):
             return jax.jit(step).lower(*avals).compile()
 
-    return Timed((spec.key(), call, _assignment_key(assignment), loss, *environment_key()), executable, avals)
+    return Timed((spec.key(), call, assignment_key(assignment), loss, *environment_key()), executable, avals)
 
 
 def _options_key(options: dict | None) -> tuple | None:
     return None if options is None else tuple(sorted(options.items()))
 
 
-def _assignment_key(assignment: Assignment) -> tuple:
+def assignment_key(assignment: Assignment) -> tuple:
     return tuple((path, _option_key(option)) for path, option in assignment)
 
 

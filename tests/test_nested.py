@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import smartremat
-from smartremat import _planner
+from smartremat import _model, _module_plan
 from smartremat._decorator import make_config
 from smartremat._spec import make_spec
 
@@ -21,7 +21,7 @@ X = jnp.ones((4, 64, 64))
 
 def plan_of(budget_mb, nested, checked=False):
     config = make_config(budget_mb, calibrate=checked, verify=checked, nested=nested)
-    return _planner.get_plan(type(MODEL).__call__, make_spec(MODEL, (X,), {}), MODEL, config)
+    return _module_plan.get_plan(type(MODEL).__call__, make_spec(MODEL, (X,), {}), MODEL, config)
 
 
 def budgets():
@@ -72,5 +72,5 @@ class TwoShapes(eqx.Module):
 def test_a_block_called_twice_has_one_nested_menu():
     model = TwoShapes(MODEL.layers[0])
     config = make_config(1e6, calibrate=False, verify=False)
-    built = _planner.build_model(type(model).__call__, make_spec(model, (X,), {}), model, config)
+    built = _model.build_model(type(model).__call__, make_spec(model, (X,), {}), model, config)
     assert len(built.calls) == 2 and built.menus[0] == built.menus[1] and len(built.menus[0]) > 4

@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from smartremat import _planner
+from smartremat import _model
 from smartremat._decorator import make_config
 from smartremat._discover import call_module
 from smartremat._options import NO_REMAT, Nested, NoRemat, Policy, Segments, from_json
@@ -31,7 +31,7 @@ def test_options_with_one_display_name_are_told_apart():
     assert dots.name == nothing.name and dots != nothing
     block, x = TutorialBlock(32, 256, jax.random.key(0)), jnp.ones((16, 32))
     profile = profile_block(make_spec(block, (x,), {}), call_module, (NO_REMAT, dots, nothing), False)
-    found = [_planner._find_option(profile, o) for o in (dots, nothing)]
+    found = [_model.find_option(profile, o) for o in (dots, nothing)]
     assert [f.option for f in found] == [dots, nothing]
     assert found[1].saved_bytes < found[0].saved_bytes
     assert Nested(((MLP, dots),)) != Nested(((MLP, nothing),))

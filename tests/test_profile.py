@@ -108,7 +108,7 @@ def test_cost_tables_name_primitives_that_exist():
 def test_measuring_compiles_give_the_figures_of_the_compile_that_runs(make, remat):
     # smartremat measures with `measuring_options()` (on the CPU, LLVM at level 0): the memory and
     # FLOP figures it reads must be those of the program compiled with default options
-    from smartremat._cache import measuring_options
+    from smartremat._env import measuring_options
 
     model, x = make()
     policy = cp.dots_saveable if remat else cp.everything_saveable
@@ -140,7 +140,7 @@ def test_block_profiles_compiled_with_profiling_options_give_the_measuring_figur
     # faster compile): every block-profile program must keep the temp bytes it has under
     # `measuring_options()`, the options whole steps are measured with
     from smartremat import _profile
-    from smartremat._cache import measuring_options, profiling_options
+    from smartremat._env import measuring_options, profiling_options
 
     jobs = []
     original = _profile._compiled_temps

@@ -1,6 +1,7 @@
 """Saved plans are one truth: what `load_plan` reads back is what runs, what prints and what explain shows."""
 
 import json
+import pathlib
 import re
 import warnings
 
@@ -92,9 +93,17 @@ def test_hand_edited_policy_must_agree_with_what_runs(saved, tmp_path):
     assert tree_allclose(got, jax.grad(lambda m: jnp.mean(m(x) ** 2))(model), rtol=1e-5)
 
 
-def test_a_loaded_plan_has_no_frontier_and_says_how_to_get_one(saved):
+def test_a_loaded_plan_keeps_its_frontier_and_one_saved_without_says_how_to_get_it(saved):
+    """`Plan.save`, `load_plan` and the disk cache share one format, which keeps the profile: a
+    loaded plan has the saved plan's frontier and uniform plans; a file without it (written before
+    the format kept it) says how to get them."""
     _, _, plan, path, _ = saved
     loaded = smartremat.load_plan(path)
-    with pytest.raises(ValueError, match=r"loaded from JSON \(`smartremat\.load_plan`\).*Call `smartremat\.explain"):
-        loaded.frontier()
-    assert loaded.uniform() == {} and plan.uniform() != {}
+    assert loaded.frontier() == plan.frontier() and len(plan.frontier()) > 1
+    assert loaded.uniform() == plan.uniform() != {}
+    data = json.loads(pathlib.Path(path).read_text())
+    del data["stages"], data["menu"]
+    old = smartremat.load_plan(data)
+    with pytest.raises(ValueError, match=r"loaded from JSON \(`smartremat\.load_plan`\) without the profile.*Call `smartremat\.explain"):
+        old.frontier()
+    assert old.uniform() == {}

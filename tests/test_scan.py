@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 import smartremat
-from smartremat import _planner, _profile
+from smartremat import _module_plan, _profile
 from smartremat._decorator import make_config
 from smartremat._discover import discover
 from smartremat._spec import make_spec
 from smartremat._verify import compiled_step
-from smartremat._apply import run
+from smartremat._options import run
 from smartremat._options import NO_REMAT, Segments
 from smartremat._policies import FULL_REMAT
 from smartremat._discover import subjaxprs
@@ -27,7 +27,7 @@ N, D, HEADS, T, B = 12, 64, 4, 256, 8
 def plan_of(model, x, budget_mb, segments=2, calibrate=False, verify=False, nested=False):
     """The model alone by default, and without nested options (tested below) unless asked."""
     config = make_config(budget_mb, calibrate=calibrate, verify=verify, scan_segments=segments, nested=nested)
-    return _planner.get_plan(type(model).__call__, make_spec(model, (x,), {}), model, config)
+    return _module_plan.get_plan(type(model).__call__, make_spec(model, (x,), {}), model, config)
 
 
 def test_scanned_block_is_one_call_counted_per_iteration(monkeypatch):

@@ -244,18 +244,18 @@ def test_uniform_policies_merged_for_every_block_are_one_choice():
     import jax
     import jax.numpy as jnp
 
-    from smartremat import _planner
+    from smartremat import _model
     from smartremat._discover import call_module
     from smartremat._policies import DEFAULT_MENU
     from smartremat._spec import make_spec
     from tests.models import MLPStack
 
     model, x = MLPStack(3, 16, 64, jax.random.key(0)), jnp.ones((8, 16))
-    config = _planner.Config(budget_bytes=10**9, policies=DEFAULT_MENU, calibrate=False, nested=False)
-    built = _planner.build_model(call_module, make_spec(model, (x,), {}), model, config)
+    config = _model.Config(budget_bytes=10**9, policies=DEFAULT_MENU, calibrate=False, nested=False)
+    built = _model.build_model(call_module, make_spec(model, (x,), {}), model, config)
     names = [p.name for p in DEFAULT_MENU]
     dots, no_batch = (DEFAULT_MENU[names.index(n)] for n in ("dots_saveable", "dots_with_no_batch_dims_saveable"))
-    assert _planner.uniform(built, no_batch) == _planner.uniform(built, dots) != _planner.uniform(built, DEFAULT_MENU[0])
+    assert _model.uniform(built, no_batch) == _model.uniform(built, dots) != _model.uniform(built, DEFAULT_MENU[0])
 
 
 @pytest.mark.parametrize("uniform_flops,want", [(3.0, (0,)), (2.0, (1,))])

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import smartremat
-from smartremat import _planner
+from smartremat import _model, _planner
 from smartremat import smartremat as sr
 
 from tests.helpers import tree_allclose
@@ -90,8 +90,8 @@ def test_vmap_axis_name_reaches_profiling_and_explain(monkeypatch):
 
 def test_second_call_neither_reprofiles_nor_retraces(model, monkeypatch):
     profiled, traced = [], []
-    real = _planner.profile_block
-    monkeypatch.setattr(_planner, "profile_block", lambda *a: profiled.append(1) or real(*a))
+    real = _model.profile_block
+    monkeypatch.setattr(_model, "profile_block", lambda *a: profiled.append(1) or real(*a))
 
     @sr(budget_mb=0.45)
     class Counted(MLPStack):

@@ -9,8 +9,8 @@ import optax
 import pytest
 
 import smartremat
-from smartremat import MB, _planner, _step_plan, _tune
-from smartremat._search import Outcome, _Compiled
+from smartremat import MB, _module_plan, _planner, _tune
+from smartremat._search import Outcome, CandidateFigures
 
 from tests.helpers import backward, tree_allclose
 from tests.models import MLPStack
@@ -60,7 +60,7 @@ def _rounds(wins, base, by=0.5):
 ])
 def test_the_fitting_candidate_of_the_lowest_median_time_is_kept(times_of_2, switch):
     temps = {(1,): 90, (2,): 80, (3,): 120}
-    compiled = _Compiled(lambda c: (temps[c], 10.0 * c[0]), lambda _: None, None)
+    compiled = CandidateFigures(lambda c: (temps[c], 10.0 * c[0]), lambda _: None, None)
     base = tuple(10.0 + i for i in range(ROUNDS))  # drift: later rounds slower for all alike
     times = {(1,): base, (2,): times_of_2(base), (3,): (0.1,) * ROUNDS}
     asked = []
@@ -205,7 +205,7 @@ def test_filter_jit_after_a_timing_failure_warns_and_stores_nothing(monkeypatch,
     def timings(steps, rounds=_tune.TUNE_ROUNDS):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9 bytes.")
 
-    monkeypatch.setattr(_step_plan, "timings", timings)
+    monkeypatch.setattr(_planner, "timings", timings)
     with pytest.warns(UserWarning, match=r"`tune=True` could not time .*RESOURCE_EXHAUSTED"):
         plan = smartremat.filter_jit(_step, budget_mb=1.5, tune=True).plan(model, opt_state, x, jnp.tanh(x))
     assert plan.timed == () and plan.compiled_peak_bytes <= 1.5 * MB and not list(tmp_path.rglob("*.json"))
@@ -248,13 +248,13 @@ def test_plan_compiles_counts_each_candidate_once_when_tune_re_confirms_the_choi
     smartremat.clear_caches()
     model, x = _stack()
     asked = set()
-    compiled_step = _planner.compiled_step
+    compiled_step = _module_plan.compiled_step
 
     def counting(call, spec, assignment, losses=_verify.DEFAULT_LOSSES):
-        asked.add((_verify._assignment_key(assignment), len(losses)))
+        asked.add((_verify.assignment_key(assignment), len(losses)))
         return compiled_step(call, spec, assignment, losses)
 
-    monkeypatch.setattr(_planner, "compiled_step", counting)
+    monkeypatch.setattr(_module_plan, "compiled_step", counting)
     plan = smartremat.explain(smartremat.smartremat(budget_mb=1.2, tune=True)(model), x)
     n_losses = len(_verify.DEFAULT_LOSSES)
     confirmed = {k for k, n in asked if n == n_losses}

@@ -1,0 +1,246 @@
+"""The memory model: the block calls a module's forward makes (`_discover`), each distinct one
+profiled under every option (`_profile`), as the solver's stages (`_memory.Stage`); several
+modules' models joined into one (a training step's), and the one refinement that raises a stage's
+own peak by what a compiled program shows runs beside it (`after_stage`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._discover import BlockCall, call_module, discover, expanded
+from ._memory import Stage, raised
+from ._nested import nested_options
+from ._options import NO_REMAT, Entry, Option, Segments, expand, run
+from ._paths import Path, path_str
+from ._plan import Plan
+from ._policies import FULL_REMAT
+from ._profile import BlockProfile, PolicyProfile, n_module_leaves, profile_block, residuals
+from ._spec import CallSpec
+from ._verify import DEFAULT_LOSSES
+
+logger = logging.getLogger("smartremat")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """What the user asked for; part of every cache key."""
+
+    budget_bytes: int
+    policies: tuple
+    budget_mb: float = 0.0
+    blocks: Callable | None = None
+    calibrate: bool = True
+    verify: bool = True
+    plan: Plan | None = None
+    scan_segments: int = 2
+    nested: bool = True
+    losses: tuple = DEFAULT_LOSSES
+    tune: bool = False
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """The memory model of the user's module, built from its profiled block calls: the calls,
+    their profiles, and the solver's stages.
+
+    A scanned call gives one stage per iteration, in the order the scan runs them; `owner[i]`
+    is the index of stage `i`'s call; `menus[c]` are call `c`'s options (the policy menu, then
+    its nested options), indexed like its stage's figures.
+    """
+
+    calls: tuple[BlockCall, ...]
+    profiles: tuple[BlockProfile, ...]
+    stages: tuple[Stage, ...]
+    fixed_bytes: int
+    owner: tuple[int, ...]
+    menus: tuple[tuple, ...]
+
+
+def _option_of(profile: BlockProfile, option: Option) -> PolicyProfile:
+    found = find_option(profile, option)
+    if found is None:
+        raise KeyError(option.name)
+    return found
+
+
+def find_option(profile: BlockProfile, option: Option) -> PolicyProfile | None:
+    """The profile of `option` (or of the option it was merged into); `None` if it failed for the block."""
+    return next((o for o in profile.options if o.stands_for(option)), None)
+
+
+def _available(calls: tuple[BlockCall, ...], profiles: tuple, menus: tuple) -> tuple[tuple, ...]:
+    """Each call's menu less the options that failed for its block (in any of its calls, which
+    are tied by option index)."""
+    failed: dict = {}
+    for c, prof, menu in zip(calls, profiles, menus):
+        failed.setdefault(c.path, set()).update(i for i, pol in enumerate(menu) if find_option(prof, pol) is None)
+    return tuple(tuple(pol for i, pol in enumerate(menu) if i not in failed[c.path]) for c, menu in zip(calls, menus))
+
+
+def uniform(model: MemoryModel, option: Option) -> tuple[int, ...]:
+    """The choice giving every block `option` (no remat where it failed for a block), or the
+    option it was merged into for a block (the same residuals, so the same program) where all the
+    block's calls merged it alike, so that uniform plans that are one program are one choice."""
+    same: dict[Path, Option] = {}
+    for ci in model.owner:
+        found = find_option(model.profiles[ci], option)
+        kept = found.option if found is not None else NO_REMAT
+        path = model.calls[ci].path
+        same[path] = kept if same.get(path, kept) == kept else option
+    return tuple(next((i for i, p in enumerate(model.menus[ci]) if p == same[model.calls[ci].path]), 0)
+                 for ci in model.owner)
+
+
+def build_model(call: Callable, spec: CallSpec, module: Any, config: Config,
+                progress: Callable[[str], None] = logger.debug) -> MemoryModel:
+    """Discover the block calls and profile each distinct one under every option."""
+    found = discover(module, call, spec, config.blocks)
+    calls = tuple(expanded(module, call, spec, found) if config.blocks is None else found)
+    menus = _menus(calls, config)
+    profiles = []
+    for k, (c, menu) in enumerate(zip(calls, menus)):
+        progress(f"profiling block call {k + 1} of {len(calls)}: {path_str(c.path)} ({c.type_name})")
+        profiles.append(profile_block(c.spec, call if c.path == () else call_module, menu, config.calibrate, c.ends))
+    profiles = tuple(profiles)
+    menus = _available(calls, profiles, menus)
+    groups = {p: i for i, p in enumerate(dict.fromkeys(c.path for c in calls))}
+    stages, owner = [], []
+    for ci, (c, prof) in enumerate(zip(calls, profiles)):
+        opts = [_option_of(prof, pol) for pol in menus[ci]]
+        if c.scan is None:
+            stages.append(Stage(*stage_figures(opts, scanned=False), groups[c.path]))
+            owner.append(ci)
+            continue
+        for _ in range(c.scan.length):  # each iteration its own group, pieces limited per run
+            stages.append(Stage(*stage_figures(opts, scanned=True), len(groups) + len(stages), c.scan.eqn,
+                                config.scan_segments, c.scan.xs_bytes))
+            owner.append(ci)
+    fixed = _fixed_bytes(call, spec, calls, profiles, config)
+    return MemoryModel(calls, profiles, tuple(stages), fixed, tuple(owner), menus)
+
+
+def _menus(calls: tuple[BlockCall, ...], config: Config) -> tuple[tuple, ...]:
+    """Per call: the policy menu, then (with `config.nested`) its nested options."""
+    found: dict = {}
+    out = []
+    for c in calls:
+        if not config.nested or c.path == ():
+            out.append(config.policies)
+            continue
+        if c.path not in found:  # one menu per block: its calls are tied by option index
+            found[c.path] = nested_options(c, config.policies)
+        out.append(config.policies + found[c.path])
+    return tuple(out)
+
+
+def stage_figures(opts: list, scanned: bool) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """`(saved, peak, cost)` per option. A scan stacks each iteration's residuals as the jaxpr
+    has them (XLA cannot fuse them away across the loop), so a scanned stage keeps the jaxpr
+    count, plus the compiler's transient for its own backward."""
+    if not scanned:
+        return (tuple(o.saved_bytes for o in opts), tuple(o.peak_bytes for o in opts),
+                tuple(o.recompute.flops for o in opts))
+    saved = tuple(o.residual_bytes for o in opts)
+    peak = tuple(o.residual_bytes + max(o.peak_bytes - max(o.saved_bytes, 0), 0) for o in opts)
+    return saved, peak, tuple(o.recompute.flops for o in opts)
+
+
+def _fixed_bytes(call: Callable, spec: CallSpec, calls: Sequence[BlockCall], profiles: Sequence[BlockProfile],
+                 config: Config) -> int:
+    """Residuals of the work outside blocks (embedding, head, ...), held for the whole pass."""
+    if len(calls) == 1 and calls[0].path == ():
+        return 0
+    full = full_remat(config.policies)
+    usable = {c.path: full if find_option(p, full) is not None else NO_REMAT for c, p in zip(calls, profiles)}
+    assignment = tuple(usable.items())
+    f = spec.function(lambda m, *a, **k: run(m, call, assignment, a, k))
+    internal, _, _ = residuals(f, spec, n_module_leaves(spec))
+    block_inputs = sum(_option_of(p, usable[c.path]).residual_bytes * (c.scan.length if c.scan else 1)
+                       for c, p in zip(calls, profiles))
+    return max(internal - block_inputs, 0)
+
+
+def choices_of(model: MemoryModel, choice: tuple[int, ...]) -> dict[Path, Option]:
+    """`{block path: chosen option or Segments}`, one entry per distinct block."""
+    per_call: dict[int, list[int]] = {}
+    for ci, o in zip(model.owner, choice):
+        per_call.setdefault(ci, []).append(o)
+    seen: dict = {}
+    for ci, opts in per_call.items():
+        c = model.calls[ci]
+        if c.path in seen:
+            continue
+        menu = model.menus[ci]
+        seen[c.path] = menu[opts[0]] if c.scan is None else _segments(opts, c.scan.reverse, menu)
+    return seen
+
+
+def assignment_of(model: MemoryModel, choice: tuple[int, ...]) -> tuple[Entry, ...]:
+    """`((path, option), ...)` to apply: a nested option becomes its sub-blocks' entries (paths
+    below the block's), the block itself left alone."""
+    return tuple(dict(expand(tuple(choices_of(model, choice).items()))).items())
+
+
+def _segments(opts: list[int], reverse: bool, policies: tuple[Option, ...]) -> Option:
+    """Run-length pieces over the stacked axis (a reversed scan runs it from the end)."""
+    by_index = opts[::-1] if reverse else opts
+    pieces, start = [], 0
+    for i in range(1, len(by_index) + 1):
+        if i == len(by_index) or by_index[i] != by_index[start]:
+            pieces.append((start, i, policies[by_index[start]]))
+            start = i
+    return pieces[0][2] if len(pieces) == 1 else Segments(tuple(pieces))
+
+
+def unplanned(model: MemoryModel) -> tuple[str, ...]:
+    """Why some blocks of the model's module(s) are left as they run (called inside loops)."""
+    return tuple(dict.fromkeys(r for c in model.calls for r in c.unplanned))
+
+
+def full_remat(menu: tuple[Option, ...]) -> Option:
+    """`nothing_saveable` if on the menu, else the menu's last option."""
+    return FULL_REMAT if FULL_REMAT in menu else menu[-1]
+
+
+def joined(models: list[MemoryModel], labels: list[str]) -> MemoryModel:
+    """The models of several module calls as one, in call order; paths start with the label of
+    the argument each module came from (no prefix for a single call)."""
+    if len(models) == 1:
+        return models[0]
+    calls, profiles, stages, owner, menus, fixed = [], [], [], [], [], 0
+    for model, label in zip(models, labels):
+        offset = 1 + max((st.group for st in stages), default=-1)
+        run_offset = 1 + max((st.run for st in stages if st.run is not None), default=-1)
+        owner += [o + len(calls) for o in model.owner]
+        calls += [dataclasses.replace(c, path=(("attr", label),) + c.path) for c in model.calls]
+        stages += [dataclasses.replace(st, group=st.group + offset,
+                                       run=None if st.run is None else st.run + run_offset) for st in model.stages]
+        profiles += model.profiles
+        menus += model.menus
+        fixed += model.fixed_bytes
+    return MemoryModel(tuple(calls), tuple(profiles), tuple(stages), fixed, tuple(owner), tuple(menus))
+
+
+def split_assignment(model: MemoryModel, choice: tuple[int, ...], labels: list[str]) -> tuple:
+    """One assignment per module call (paths relative to that module)."""
+    assignment = assignment_of(model, choice)
+    if len(labels) == 1:
+        return (assignment,)
+    return tuple(tuple((path[1:], pol) for path, pol in assignment if path[0] == ("attr", label))
+                 for label in labels)
+
+
+def after_stage(model: MemoryModel, k: int, measured: int, kept_before: int) -> MemoryModel:
+    """`model` with stage `k`'s own peak under each option raised to at least its kept bytes plus
+    what runs beside them in its backward: `measured` (the compiled temp bytes of a program in
+    which the stages before `k` keep `kept_before` bytes and stage `k` runs without remat) less
+    the glue's residuals (`fixed_bytes`), `kept_before` and the stage's own kept bytes. The one
+    refinement of the model by a compiled program: the head after a stack's last block (`_head`),
+    and the rest of a training step after its last block (`_step_plan`)."""
+    st = model.stages[k]
+    after = measured - model.fixed_bytes - kept_before - st.saved[0]
+    return dataclasses.replace(model, stages=model.stages[:k] + (raised(st, after),) + model.stages[k + 1:])
