@@ -298,6 +298,7 @@ class Net(eqx.Module):
         x = self._body(x, key, inference)
         if self.norm is None:
             return x
+        assert state is not None, "a BatchNorm model is called with its state"
         x, state = self.norm(x, state)
         return x, state
 
@@ -484,7 +485,7 @@ def _loss_fn(case: Case) -> Callable:
             call = jax.vmap(functools.partial(method, **kw), axis_name="batch",
                             in_axes=(0,) * (len(pos) - bn) + (None,) * bn, out_axes=(0, None) if bn else 0)
             n = jax.tree.leaves(inputs)[0].shape[0]
-            out = call(*pos, key=jax.random.split(key, n)) if drop else call(*pos)
+            out = call(*pos, key=jax.random.split(rest[-1], n)) if drop else call(*pos)  # key: rest[-1]
         else:
             out = method(*pos, key=key, **kw) if drop else method(*pos, **kw)
         out, state = out if bn else (out, None)
