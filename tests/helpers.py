@@ -161,38 +161,6 @@ def tree_mismatches(actual: Any, expected: Any, *, grads: tuple[Any, Any] | None
     return out
 
 
-def beyond_rounding(actual: Any, expected: Any, exact: Any, *, factor: float = 2.0,
-                    rtol: float = MISMATCH_RTOL) -> list[str]:
-    """The float leaves where `actual` is further from `exact` than rounding explains, as lines;
-    the rule for differences `tree_mismatches` reports (used by the fuzzer, `tests/fuzz/check.py`).
-
-    **The rule (6).** `exact` is the same step run in float64 from the same inputs. Where the
-    float32 answer itself is off the exact one by more than rule 2's `rtol` (a variance that
-    cancels, BatchNorm's in a scanned stack: 1.2e-6 to 1.9e-6 of the leaf's scale), two float32
-    programs of the same operations, fused differently, differ by that much too. Per float leaf,
-    `actual`'s largest distance from `exact` may be at most `factor` times the larger of
-    `expected`'s (the plain step's own error) and `rtol` of the leaf's scale. A real difference
-    (a wrong gradient) is as far from the float64 answer as from the plain one, so it is still
-    reported once it exceeds twice the plain step's own error.
-
-    **Arguments:** the three trees have the same structure; non-float leaves are skipped (rule 1
-    holds them exactly).
-    """
-    out: list[str] = []
-    flat = jax.tree_util.tree_flatten_with_path(actual)[0]
-    for (path, a), e, x in zip(flat, jax.tree.leaves(expected), jax.tree.leaves(exact), strict=True):
-        if not (_is_float(a) and np.size(a)):
-            continue
-        a64, e64, x64 = (np.asarray(v, np.float64) for v in (a, e, x))
-        scale = float(np.max(np.abs(x64)))
-        mine, plain = float(np.max(np.abs(a64 - x64))), float(np.max(np.abs(e64 - x64)))
-        allowed = factor * max(plain, _tolerance(np.asarray(e).dtype, rtol) * scale)
-        if not mine <= allowed:
-            out.append(f"{jax.tree_util.keystr(path) or '(root)'}: {mine / max(scale, 1e-30):.2e} of the leaf's "
-                       f"scale from the float64 answer; the plain step {plain / max(scale, 1e-30):.2e}")
-    return out
-
-
 def _tree_scale(tree: Any) -> float:
     return max((float(np.max(np.abs(np.asarray(x, np.float64)))) for x in jax.tree.leaves(tree)
                 if _is_float(x) and x.size), default=0.0)

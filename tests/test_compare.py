@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import beyond_rounding, tree_mismatches
+from tests.helpers import tree_mismatches
 
 
 def _ulps(x: np.ndarray, n: np.ndarray) -> np.ndarray:
@@ -130,29 +130,6 @@ def test_float32_values_computed_in_bfloat16_get_bfloat16_ulps():
     assert tree_mismatches(rounded, x.astype(jnp.bfloat16).astype(jnp.float32), compute_dtype=jnp.bfloat16) == []
 
 
-def _off(x: np.ndarray, share: float, seed: int) -> np.ndarray:
-    """`x` in float32 with each entry moved by up to `share` of the largest |x| (at least one by all of it)."""
-    noise = np.random.default_rng(seed).uniform(-1, 1, x.shape)
-    noise.flat[0] = 1.0
-    return (x + share * np.max(np.abs(x)) * noise).astype(np.float32)
-
-
-@pytest.mark.parametrize("plain_error,planned_error,reported", [
-    (1.5e-6, 2.5e-6, False),  # both float32 answers off the exact one by rounding: within twice the plain's
-    (1.5e-6, 5e-6, True),  # more than twice as far off as the plain step
-    (0.0, 3e-6, True),  # the plain answer is accurate: rule 2's 1e-6 sets the allowance
-])
-def test_a_difference_passes_rule_6_only_within_twice_the_plain_steps_own_error(plain_error, planned_error, reported):
-    exact = np.random.default_rng(0).standard_normal((8, 16))
-    plain, planned = _off(exact, plain_error, 1), _off(exact, planned_error, 2)
-    tree = lambda v: {"w": jnp.asarray(v), "step": jnp.int32(1)}  # noqa: E731
-    assert tree_mismatches(tree(planned), tree(plain)) != []  # rule 2 alone reports all three
-    found = beyond_rounding(tree(planned), tree(plain), {"w": exact, "step": np.int64(1)})
-    assert (found != []) == reported
-    if reported:
-        assert found[0].startswith("['w']: ") and "from the float64 answer" in found[0]
-
-
 def test_rule_6_is_not_consulted_for_a_difference_that_is_not_of_float_values():
     """A structure, dtype, integer or NaN difference fails whatever the float64 answer says."""
     from tests.fuzz.check import Failed, _compare
@@ -164,4 +141,4 @@ def test_rule_6_is_not_consulted_for_a_difference_that_is_not_of_float_values():
                              ((jnp.float32(0), {"w": w.astype(jnp.bfloat16)}), (jnp.float32(0), {"w": w})),
                              ((jnp.float32(0), {"w": w.at[0].set(jnp.nan)}), (jnp.float32(0), {"w": w}))]:
         with pytest.raises(Failed, match="rule 6 does not apply"):
-            _compare(case, actual, expected, lambda: expected)  # the "exact" answer equals the plain one
+            _compare(case, actual, expected, lambda: (expected, expected))  # float64 answers that agree

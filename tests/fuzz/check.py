@@ -7,11 +7,17 @@ the two (`case.budget`), and then:
 
 - (a) `exception`: nothing raises but the documented errors (a `ValueError` stating a minimum);
 - (b) `mismatch`: every array the planned step returns equals the plain step's
-  (`tests.helpers.tree_mismatches`); where it reports a difference, the plain step is run again
-  in float64 and the difference passes if it is float32 rounding (`tests.helpers.beyond_rounding`,
-  rule 6: the planned answer no further from the float64 one than twice the plain step's error;
-  only where every difference reported is one of float values: never a structure, dtype,
-  integer or NaN difference);
+  (`tests.helpers.tree_mismatches`); where it reports a difference, rule 6 judges whether it is
+  float32 rounding: the same plan (the same assignment for each module call, not a plan made
+  anew for other dtypes) and the plain step are both run again in float64 from the same inputs
+  cast up (the grammar computes in float64 there: `grammar.working`), and the difference passes
+  if these two float64 answers agree to `RTOL64` (1e-12) of each leaf's scale, by
+  `tree_mismatches`' rules (zero up to rounding included) at that tolerance. A plan that
+  computes another function (a wrong gradient) differs in float64 as well; a differently
+  ordered float32 sum does not. In a case whose blocks compute in bfloat16 or float16, the
+  float64 answers still round there: they are held to those ulps, as in float32. Only where
+  every difference reported is one of float values: never a structure, dtype, integer or NaN
+  difference;
 - (c) `over budget`: the compiled temp bytes of the planned step fit the budget;
 - (d) `unreachable`: `smartremat.explain`'s "compiled" figure is not below the step's (a figure
   it printed as "lowest reachable" would be held to the compiled floor), and a budget at or above
@@ -22,7 +28,9 @@ The budget lies between the floor (its exact figure, given to 3 decimals, plus t
 of rounding) and the plain temp. Exceptions end a case; the other failures are all collected.
 
 With `case.path == "decorator"` the model is wrapped by `smartremat.smartremat(budget_mb=...)`
-and run in the plain `eqx.filter_jit` step: (a) and (b) are checked.
+and run in the plain `eqx.filter_jit` step: (a) and (b) are checked. The wrapper plans per input
+signature, so float64 inputs would be planned anew: rule 6 records the plan of each of its calls
+in float32 (`smartremat.explain` on the call's own arguments) and runs the float64 step with those.
 """
 
 from __future__ import annotations
@@ -32,21 +40,29 @@ import re
 import time
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import smartremat
 from smartremat import MB
 from tests.fuzz.grammar import DTYPES, LR, Built, Case, build
-from tests.helpers import MISMATCH_RTOL, beyond_rounding, tree_mismatches
+from tests.helpers import MISMATCH_RTOL, tree_mismatches
 
 #: The budget (MB) that is below every step's floor: planning at it states the floor.
 TINY_MB = 1e-6
+
+#: Rule 6's tolerance: the share of a leaf's scale by which the same plan run in float64 may
+#: differ from the plain step run in float64 (about 4500 float64 ulps). Rounding of a sum
+#: ordered otherwise is a few ulps of the leaf's scale, a few tens where terms cancel (float32
+#: showed up to 33 ulps, 3.9e-6, on Adam's second moment: about 7e-15 in float64); a plan that
+#: computed another function is off by far more (1e-4 and up).
+RTOL64 = 1e-12
 
 #: Failure classes: `grammar` (the plain step failed: a case the grammar should not build) and
 #: `harness` (the checker itself raised) are the fuzzer's own; the others are the library's.
@@ -114,12 +130,18 @@ def assert_case(case: Case) -> Outcome:
 def promotion(case: Case) -> Iterator[None]:
     """Standard dtype promotion for cases whose third-party code needs it (optax's Adam bias
     correction), set globally as `tests/conftest.py`'s fixture does; strict otherwise."""
-    before = jax.config.jax_numpy_dtype_promotion
-    jax.config.update("jax_numpy_dtype_promotion", "standard" if case.step in ("adam", "adamw") else "strict")
+    before = _set_promotion("standard" if case.step in ("adam", "adamw") else "strict")
     try:
         yield
     finally:
-        jax.config.update("jax_numpy_dtype_promotion", before)
+        _set_promotion(before)
+
+
+def _set_promotion(value: str) -> str:
+    """Set JAX's dtype promotion (globally); the setting it had."""
+    before = getattr(jax.config, "jax_numpy_dtype_promotion")  # a flag attribute type checkers do not see
+    jax.config.update("jax_numpy_dtype_promotion", value)
+    return before
 
 
 def _check(case: Case, outcome: Outcome) -> None:
@@ -129,14 +151,16 @@ def _check(case: Case, outcome: Outcome) -> None:
     budget = budget_of(case.budget, floor_mb, floor_up, plain_temp / MB)
     outcome.figures.update(plain_mb=plain_temp / MB, floor_mb=floor_mb, budget_mb=budget)
     if case.path == "decorator":
-        _soft(outcome, lambda: _check_decorator(case, built, budget, expected))
+        _soft(outcome, lambda: _check_decorator(case, built, budget, expected, outcome.figures))
         return
     planned = _guard(lambda: smartremat.filter_jit(built.step, budget_mb=budget, donate=donate))
     temp = _planned_temp(planned, built, budget)
     outcome.figures["planned_mb"] = temp / MB
     _soft(outcome, lambda: _check_fit(temp, budget, " (at the stated floor)" if case.budget == 0 else ""))
     actual = _guard(lambda: planned(*fresh(built.args)))
-    _soft(outcome, lambda: _compare(case, actual, expected, lambda: float64_answer(case, built)))
+    _soft(outcome, lambda: _compare(case, actual, expected, lambda: float64_answers(
+        built, lambda args: same_plan(built.step, args, planned=planned, planned_args=built.args)),
+        outcome.figures))
     plan = _guard(lambda: smartremat.explain(planned, *built.args))
     _soft(outcome, lambda: _check_figures(plan, temp, floor_mb))
 
@@ -163,7 +187,7 @@ def _reference(case: Case) -> tuple[Built, Any, int, Any]:
     the fuzzer's own (`grammar`)."""
     try:
         built = build(case)
-        plain = eqx.filter_jit(built.step, donate="all" if case.donate else "none")
+        plain: Any = eqx.filter_jit(built.step, donate="all" if case.donate else "none")
         compiled = plain.lower(*built.args).compile()  # run as compiled: the same program, one compile
         temp = compiled.compiled.memory_analysis().temp_size_in_bytes
         expected = compiled(*fresh(built.args))
@@ -221,49 +245,131 @@ def _check_fit(temp: int, budget: float, what: str) -> None:
                      f"compiled temp {temp / MB:.4f} MB > budget {budget:.4f} MB{what}")
 
 
-def _compare(case: Case, actual: Any, expected: Any, exact: Any) -> None:
-    """(b); `exact()` gives the plain step's float64 answer, computed only where the float32
-    answers differ."""
-    unwrap = lambda t: jax.tree.map(  # noqa: E731
-        lambda x: x.module if isinstance(x, smartremat.SmartRemat) else x, t,
-        is_leaf=lambda x: isinstance(x, smartremat.SmartRemat))
-    actual, expected = unwrap(actual), unwrap(expected)
-    grads, dtype = _grads_like(case, actual, expected), DTYPES[case.dtype]
-    if case.step in ("adam", "adamw"):  # new parameters: rule 5 (Adam's normalised step); the rest tightly
-        found = tree_mismatches(actual[1], expected[1], grads=grads, compute_dtype=dtype, step_size=LR[case.step])
-        rest = lambda out: out[:1] + out[2:]  # noqa: E731
-        found = [f"[1]{m}" for m in found] + tree_mismatches(  # nu squares the gradient: twice its ulps
-            rest(actual), rest(expected), grads=grads, compute_dtype=dtype, rtol=2 * MISMATCH_RTOL)
-    else:
-        found = tree_mismatches(actual, expected, grads=grads, compute_dtype=dtype)
+def _compare(case: Case, actual: Any, expected: Any, answers64: Callable[[], tuple[Any, Any]],
+             figures: dict | None = None) -> None:
+    """(b); `answers64()` gives `(planned, plain)`: the same plan and the plain step run in float64,
+    computed only where the float32 answers differ (rule 6). A difference rule 6 judges rounding
+    goes to `figures["rule 6"]`: `(the float32 differences, (leaf, worst relative difference in
+    float64))`."""
+    actual, expected = _unwrap(actual), _unwrap(expected)
+    found = _mismatches(case, actual, expected, MISMATCH_RTOL, DTYPES[case.dtype])
     if not found:
         return
     if any(_relative(m) == float("inf") for m in found):  # structure, dtype, integers, NaN: never rounding
         beyond = ["(not a float value: rule 6 does not apply)"]
     else:
         try:
-            beyond = beyond_rounding(actual, expected, exact())
-        except Exception as e:  # no float64 answer: the float32 difference stands
+            planned64, plain64 = answers64()
+        except Exception as e:  # no float64 answers: the float32 difference stands
             beyond = [f"(no float64 answer: {_key(e)})"]
+        else:
+            planned64, plain64 = _unwrap(planned64), _unwrap(plain64)
+            beyond = beyond_rounding(case, planned64, plain64)
+            if not beyond and figures is not None:
+                figures["rule 6"] = (found, worst_leaf(planned64, plain64))
     if beyond:  # not float32 rounding (rule 6)
         worst = max(_relative(m) for m in found)
         size = "by at most 1e-5" if worst <= 1e-5 else "by more than 1e-5"
         raise Failed("mismatch", f"outputs differ from the plain step's {size} of a leaf's scale",
-                     "\n".join(found[:12] + ["beyond float32 rounding (rule 6):"] + beyond[:12]))
+                     "\n".join(found[:12] + ["beyond float32 rounding (rule 6: the same plan in float64 "
+                                              "differs from the plain step in float64):"] + beyond[:12]))
 
 
-def float64_answer(case: Case, built: Built) -> Any:
-    """The plain step run in float64 from the same inputs (float32 leaves cast up; lower-precision
-    casts inside the model stay), with standard promotion: the exact answer up to float64 rounding."""
-    up = lambda a: a.astype(jnp.float64) if eqx.is_array(a) and a.dtype == jnp.float32 else a  # noqa: E731
-    before = jax.config.jax_numpy_dtype_promotion
-    jax.config.update("jax_numpy_dtype_promotion", "standard")
+def beyond_rounding(case: Case, planned64: Any, plain64: Any) -> list[str]:
+    """Rule 6: how the same plan run in float64 differs from the plain step run in float64 (empty:
+    the float32 difference is rounding). Every float leaf must be float64 there, and is held to
+    `RTOL64` of its scale; in a case whose blocks compute in bfloat16 or float16, the float64
+    answers still round in that dtype, so they are held to its ulps (rule 2's tolerance)."""
+    if case.dtype != "f32":
+        return _mismatches(case, planned64, plain64, MISMATCH_RTOL, DTYPES[case.dtype])
+    flat = jax.tree_util.tree_flatten_with_path(plain64)[0]
+    narrow = [f"{jax.tree_util.keystr(p)} is {x.dtype}" for p, x in flat
+              if eqx.is_inexact_array_like(x) and np.dtype(x.dtype) != np.float64]
+    if narrow:  # rounding left in the float64 run: it cannot judge at RTOL64
+        return [f"(the float64 run computed in another dtype: {', '.join(narrow[:4])})"]
+    # `tree_mismatches` takes `rtol` in float32 ulps and scales it by the leaf dtype's epsilon
+    rtol = RTOL64 * float(jnp.finfo(jnp.float32).eps) / float(jnp.finfo(jnp.float64).eps)
+    return _mismatches(case, planned64, plain64, rtol, None)
+
+
+def worst_leaf(actual: Any, expected: Any) -> tuple[str, float]:
+    """The float leaf where `actual` is furthest from `expected`, over its scale: `(path, share)`."""
+    worst = ("(no float leaf)", 0.0)
+    for (path, a), e in zip(jax.tree_util.tree_flatten_with_path(actual)[0], jax.tree.leaves(expected)):
+        if eqx.is_inexact_array_like(a) and np.size(a):
+            a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+            share = float(np.max(np.abs(a - e))) / max(float(np.max(np.abs(e))), 1e-300)
+            if share > worst[1] or worst[0] == "(no float leaf)":
+                worst = (jax.tree_util.keystr(path) or "(root)", share)
+    return worst
+
+
+def _mismatches(case: Case, actual: Any, expected: Any, rtol: float, compute: Any) -> list[str]:
+    """`tree_mismatches` of the step's outputs at `rtol` (in float32 ulps, as it takes it)."""
+    grads = _grads_like(case, actual, expected)
+    if case.step in ("adam", "adamw"):  # new parameters: rule 5 (Adam's normalised step); the rest tightly
+        found = tree_mismatches(actual[1], expected[1], grads=grads, rtol=rtol, compute_dtype=compute,
+                                step_size=LR[case.step])
+        rest = lambda out: out[:1] + out[2:]  # noqa: E731
+        return [f"[1]{m}" for m in found] + tree_mismatches(  # nu squares the gradient: twice its ulps
+            rest(actual), rest(expected), grads=grads, compute_dtype=compute, rtol=2 * rtol)
+    return tree_mismatches(actual, expected, grads=grads, rtol=rtol, compute_dtype=compute)
+
+
+def _unwrap(tree: Any) -> Any:
+    """`tree` with each `smartremat.SmartRemat` replaced by the module it wraps."""
+    return jax.tree.map(lambda x: x.module if isinstance(x, smartremat.SmartRemat) else x, tree,
+                        is_leaf=lambda x: isinstance(x, smartremat.SmartRemat))
+
+
+@contextlib.contextmanager
+def float64() -> Iterator[None]:
+    """float64 enabled, with standard promotion (the float64 run mixes float64 with the dtypes the
+    model casts to)."""
+    before = _set_promotion("standard")
     try:
         with jax.enable_x64(True):
-            args = jax.tree.map(up, fresh(built.args))
-            return jax.device_get(eqx.filter_jit(built.step)(*args))
+            yield
     finally:
-        jax.config.update("jax_numpy_dtype_promotion", before)
+        _set_promotion(before)
+
+
+def up(tree: Any) -> Any:
+    """`tree` with its float32 arrays cast to float64 (lower-precision ones stay)."""
+    return jax.tree.map(lambda a: a.astype(jnp.float64) if eqx.is_array(a) and a.dtype == jnp.float32 else a, tree)
+
+
+def float64_answers(built: Built, planned: Callable[[tuple], Any]) -> tuple[Any, Any]:
+    """`(planned(args), plain step(args))` with `args` the step's arguments cast up to float64: the
+    exact answers up to float64 rounding (the grammar computes in float64 then, `grammar.working`)."""
+    with float64():
+        planned64 = jax.device_get(planned(up(fresh(built.args))))
+        plain64 = jax.device_get(eqx.filter_jit(built.step)(*up(fresh(built.args))))
+    return planned64, plain64
+
+
+def same_plan(step: Callable, args: tuple, *, planned: Any = None, planned_args: tuple = (),
+              classes: frozenset = frozenset(), assignments: tuple = ()) -> Any:
+    """`step(*args)` run under a plan made for other arguments (float32 ones), not planned again:
+    that of `planned` (a `smartremat.filter_jit` step) for `planned_args`, or else the k-th call of
+    a module of `classes` under `assignments[k]` (the decorator's plans, recorded: a `SmartRemat`
+    runs the module it wraps under it, as in a planned step). Compiled as `smartremat.filter_jit`
+    compiles a planned step, without donation (it changes no value).
+
+    The only use of smartremat's private API in the fuzzer (its modules may be reorganised: mend
+    this function alone): `PlannedStep._entry` (the planned `Entry` of a signature, with its
+    `classes` and `assignments`) and `smartremat._step`'s `bind`, `split_args`, `lower_step` and
+    `compile_quietly`.
+    """
+    from smartremat._step import bind, compile_quietly, lower_step, split_args
+
+    if planned is not None:
+        with jax.enable_x64(False):  # the entry cached for the float32 arguments, not a new plan
+            (entry, _, _), _ = planned._entry(planned_args, {})
+        classes, assignments = entry.classes, entry.assignments
+    sig, dynamic = split_args(step, *bind(step, args, {}))
+    lowered, box = lower_step(sig, (classes, assignments), "none")
+    return eqx.combine(compile_quietly(lowered)(*dynamic), box.value)
 
 
 def _relative(mismatch: str) -> float:
@@ -311,14 +417,12 @@ def _check_figures(plan: smartremat.Plan, temp: int, floor_mb: float) -> None:
                      f"explain: compiled {plan.compiled_peak_bytes / MB:.4f} MB; step: {temp / MB:.4f} MB\n{text}")
 
 
-def _check_decorator(case: Case, built: Built, budget: float, expected: Any) -> None:
+def _check_decorator(case: Case, built: Built, budget: float, expected: Any, figures: dict) -> None:
     """The instance wrapper in a plain `eqx.filter_jit` step: runs (or refuses with the
     documented error) and gives the plain answer."""
-    model = smartremat.smartremat(budget_mb=budget)(built.model)
-    args = dict(zip(built.names, (model,) + fresh(built.args[1:])))
-    if built.opt is not None:  # as a user would: the optimizer state of the wrapped model
-        args["opt_state"] = built.opt.init(eqx.filter(model, eqx.is_array))
-    args = tuple(args.values())
+    wrap = smartremat.smartremat(budget_mb=budget)
+    args = fresh(built.args)  # the model's arrays too: a donating step consumes them
+    args = _with_model(built, wrap(args[0]), args)
     try:
         actual = eqx.filter_jit(built.step, donate="all" if case.donate else "none")(*args)
     except ValueError as e:
@@ -327,7 +431,43 @@ def _check_decorator(case: Case, built: Built, budget: float, expected: Any) -> 
         raise Failed("exception", _key(e), _trace(e)) from e
     except Exception as e:
         raise Failed("exception", _key(e), _trace(e)) from e
-    _compare(case, actual, expected, lambda: float64_answer(case, built))
+
+    def answers64() -> tuple[Any, Any]:
+        plans = _Plans()  # the plan of each call of the wrapper, as it ran in float32
+        eqx.filter_eval_shape(built.step, *_with_model(built, _Recording(wrap(built.model), plans), built.args))
+        return float64_answers(built, lambda args: same_plan(
+            built.step, _with_model(built, wrap(args[0]), args), classes=frozenset([smartremat.SmartRemat]),
+            assignments=tuple(plans.assignments)))
+
+    _compare(case, actual, expected, answers64, figures)
+
+
+def _with_model(built: Built, model: Any, args: tuple) -> tuple:
+    """The step's arguments `args` with `model` as the model, and (as a user would) the optimizer
+    state of `model`."""
+    values = dict(zip(built.names, (model,) + tuple(args[1:])))
+    if built.opt is not None:
+        values["opt_state"] = built.opt.init(eqx.filter(model, eqx.is_array))
+    return tuple(values.values())
+
+
+class _Plans:
+    """The assignments `_Recording` saw, in call order."""
+
+    def __init__(self) -> None:
+        self.assignments: list = []
+
+
+class _Recording(eqx.Module):
+    """A `smartremat.smartremat(...)` wrapper that records the plan of each of its calls: the one
+    it runs, `smartremat.explain` on the call's own arguments (the same cached plan)."""
+
+    wrapped: smartremat.SmartRemat
+    plans: _Plans = eqx.field(static=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.plans.assignments.append(smartremat.explain(self.wrapped, *args, **kwargs).assignment)
+        return self.wrapped(*args, **kwargs)
 
 
 def _key(e: BaseException) -> str:

@@ -181,6 +181,15 @@ def cases(exclude: Callable[[Case], bool] | None = None) -> Any:
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 
 
+def working(dtype: str) -> Any:
+    """The dtype the model and loss compute in for `DTYPES[dtype]`: float32 means the default float,
+    float64 while `jax.enable_x64` is on. `check.py` runs a step again in float64 (rule 6), where a
+    cast to float32 would bring back the float32 rounding that run is there to remove; bfloat16
+    and float16 stay."""
+    dt = DTYPES[dtype]
+    return jax.dtypes.canonicalize_dtype(jnp.float64) if dt == jnp.float32 else dt
+
+
 @jax.custom_vjp
 def soft_clip(x: jax.Array) -> jax.Array:
     """A user's custom-gradient activation: tanh forward, straight-through-ish backward."""
@@ -228,7 +237,7 @@ class Block(eqx.Module):
         self.kind, self.dtype, self.control = kind, dtype, control
 
     def mlp(self, h: jax.Array, key: jax.Array | None = None, inference: bool = False) -> jax.Array:
-        dt = DTYPES[self.dtype]
+        dt = working(self.dtype)
         if self.kind == "linear":
             h = self.w2(jax.nn.gelu(self.w1(h.astype(dt))))
         else:
@@ -236,7 +245,7 @@ class Block(eqx.Module):
             h = act(h.astype(dt) @ self.w1.astype(dt)) @ self.w2.astype(dt)
         if self.drop is not None:
             h = self.drop(h, key=key, inference=inference)
-        return h.astype(jnp.float32)
+        return h.astype(working("f32"))
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None, inference: bool = False) -> jax.Array:
         mlp = eqx.filter_checkpoint(self.mlp) if self.kind == "checkpointed" else self.mlp
@@ -289,6 +298,7 @@ class Net(eqx.Module):
         x = self._body(x, key, inference)
         if self.norm is None:
             return x
+        assert state is not None, "a BatchNorm model is called with its state"
         x, state = self.norm(x, state)
         return x, state
 
@@ -380,7 +390,7 @@ class Wrapper(eqx.Module):
 def loss_value(kind: str, out: Any, target: jax.Array) -> jax.Array:
     """The loss of the model's output(s) against `target` (int labels for `xent_int`)."""
     main = out[0] if isinstance(out, tuple) else out["y"] if isinstance(out, dict) else out
-    main = main.astype(jnp.float32)
+    main = main.astype(working("f32"))
     if kind == "mse":
         return jnp.mean((main - target) ** 2)
     if kind == "xent_soft":
@@ -390,7 +400,7 @@ def loss_value(kind: str, out: Any, target: jax.Array) -> jax.Array:
     if kind == "huber":
         return jnp.mean(optax.huber_loss(main, target))
     aux = out[1] if isinstance(out, tuple) else out["aux"]
-    return jnp.mean((main - target) ** 2) + 0.1 * jnp.mean(optax.huber_loss(aux.astype(jnp.float32), target))
+    return jnp.mean((main - target) ** 2) + 0.1 * jnp.mean(optax.huber_loss(aux.astype(working("f32")), target))
 
 
 # --- the step -------------------------------------------------------------------------------------
@@ -475,7 +485,7 @@ def _loss_fn(case: Case) -> Callable:
             call = jax.vmap(functools.partial(method, **kw), axis_name="batch",
                             in_axes=(0,) * (len(pos) - bn) + (None,) * bn, out_axes=(0, None) if bn else 0)
             n = jax.tree.leaves(inputs)[0].shape[0]
-            out = call(*pos, key=jax.random.split(key, n)) if drop else call(*pos)
+            out = call(*pos, key=jax.random.split(rest[-1], n)) if drop else call(*pos)  # key: rest[-1]
         else:
             out = method(*pos, key=key, **kw) if drop else method(*pos, **kw)
         out, state = out if bn else (out, None)
@@ -525,7 +535,7 @@ def _value_and_grad(case: Case, loss_fn: Callable, model: Any, rest: tuple) -> t
         (loss, state), grads = jax.value_and_grad(f, has_aux=True)(params)
     elif case.step == "grad":
         grads, state = eqx.filter_grad(loss_fn, has_aux=True)(model, *rest)
-        loss = jnp.float32(0)
+        loss = jnp.asarray(0, working("f32"))
     else:
         (loss, state), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model, *rest)
     return loss, grads, state
@@ -546,7 +556,7 @@ def _accumulated(case: Case, loss_fn: Callable, model: Any, rest: tuple) -> tupl
         (loss, st), g = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model, *args)
         return total + loss / 2, jax.tree.map(lambda a, b: a + b / 2, acc, g), st
 
-    init = (jnp.float32(0), zeros, state)
+    init = (jnp.asarray(0, working("f32")), zeros, state)
     if case.accum == "fori":
         total, grads, state = jax.lax.fori_loop(0, 2, one, init)
     else:

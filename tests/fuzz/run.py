@@ -167,7 +167,7 @@ def summary(outcomes: list[Outcome], found: dict, written: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--seed", type=int, default=None, help="the run's seed (default: from the clock)")
     parser.add_argument("--count", type=int, default=2000, help="cases to check (default 2000)")
     parser.add_argument("--start", type=int, default=0, help="the first case's index in the seed's sequence")
