@@ -125,10 +125,10 @@ SECONDS = 4.0
 MAX_REPEAT = 400
 
 
-def repeat_for(timers: list[Timer], repeat: int) -> int:
-    """`repeat` rounds, or more where the steps are short: about `SECONDS` per program, sized on
+def repeat_for(timers: list[Timer], repeat: int, seconds: float = SECONDS) -> int:
+    """`repeat` rounds, or more where the steps are short: about `seconds` per program, sized on
     one untimed call of each (the median), at most `MAX_REPEAT`."""
-    return max(repeat, min(MAX_REPEAT, math.ceil(SECONDS / max(statistics.median(t.run() for t in timers), 1e-9))))
+    return max(repeat, min(MAX_REPEAT, math.ceil(seconds / max(statistics.median(t.run() for t in timers), 1e-9))))
 
 
 def time_all(timers: list[Timer], repeat: int) -> None:
@@ -326,7 +326,10 @@ KEYS = {False: ("smartremat", "headlines"), True: ("tuned", "headlines_tuned")}
 
 
 def run_model(case: Case, names: list[str], n_budgets: int, repeat: int, out: pathlib.Path,
-              tunes: tuple[bool, ...] = (False, True)) -> dict:
+              tunes: tuple[bool, ...] = (False, True), seconds: float = SECONDS) -> dict:
+    """Every fixed strategy of `names` and smartremat's plans (`tunes`) at `n_budgets` budgets
+    (and the halfway one) compiled and timed in the same rounds: `repeat`, or about `seconds` per
+    program where steps are short; the result written to `out` as JSON and a plot, and printed."""
     if case.where is None:  # one block: alternate and sqrt segments are no remat and full remat again
         names = [n for n in names if n not in ("alternate", "sqrt")]
     progress = Progress(len(names) + len(tunes) * n_budgets + 2)
@@ -342,7 +345,7 @@ def run_model(case: Case, names: list[str], n_budgets: int, repeat: int, out: pa
     smart = {tune: measure_smart(case, [b * MB for b in budgets], fixed_timers["none"].grads, progress, tune,
                                  programs, names_of) for tune in tunes}
     timers = list(programs.values()) + [again]
-    repeat = repeat_for(timers, repeat)
+    repeat = repeat_for(timers, repeat, seconds)
     time_all(timers, repeat)
     progress.step(f"{case.name}: timed {len(programs) + 1} distinct programs x {repeat} rounds")
     progress.close()
