@@ -21,11 +21,13 @@ $(OLDEST)/bin/activate: pyproject.toml requirements/oldest.txt
 	$(OLDEST)/bin/pip install -q -c requirements/oldest.txt -e '.[test]'
 	touch $(OLDEST)/bin/activate
 
-# The main job: plan, explain and train two models on the CPU under a budget, then the quick
-# benchmark (smartremat against every fixed strategy; results/ holds its JSON, tables and plots).
+# The main job, about two minutes on 2 CPU cores: the tutorial block's gradient standard,
+# checkpointed and through smartremat; the tutorial block stack planned, explained and trained under
+# a budget (the module, then the whole training step); that stack against every fixed strategy, fit
+# and step time (results/demo/ holds its JSON and plot). It ends with the command of the full
+# benchmark: python benchmarks/run.py --quick (every model; about 13 minutes).
 demo: $(BIN)/activate
 	XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander $(BIN)/python examples/demo.py
-	$(BIN)/python benchmarks/run.py --quick --out results
 
 # The whole test suite on the dev environment, two workers (tests/conftest.py sets the CPU barrier
 # flag before JAX starts), the type check (pyright, pyproject.toml), a strict build of the docs

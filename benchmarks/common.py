@@ -1,10 +1,11 @@
-"""Shared benchmark pieces: the CPU flag, hand-written fixed strategies, the compiler's figures.
+"""What every benchmark and study script imports first: the CPU flag and the disk cache setting.
 
 Import this module before JAX: it sets the CPU barrier flag (docs/facts.md, fact 1) when no NVIDIA
 GPU is present. On a GPU it must not be set: XLA:GPU then fails to compile remat
 ("Unsupported instruction opcode: opt-barrier", seen on an H200 with jax 0.11.2).
 It also turns smartremat's disk plan cache off (unless SMARTREMAT_DISK_CACHE is set), so that the
 planning times benchmarks report are of planning, not of reading an earlier run's plans.
+The fixed strategies and the training step they are measured on are in `benchmarks/strategies.py`.
 """
 
 from __future__ import annotations
@@ -19,127 +20,27 @@ if "jax" not in sys.modules and shutil.which("nvidia-smi") is None:
 os.environ.setdefault("SMARTREMAT_DISK_CACHE", "0")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import math
-import re
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import equinox as eqx
-import jax
-import jax.numpy as jnp
 
-cp = jax.checkpoint_policies
-UNIFORM = {"none": None, "dots": cp.dots_saveable, "dots_nb": cp.dots_with_no_batch_dims_saveable,
-           "full": cp.nothing_saveable}
-
-
-def _call(m, *a):
-    return m(*a)
-
-
-class Ckpt(eqx.Module):
-    """A hand-placed `eqx.filter_checkpoint(policy)` around one module."""
-
-    module: Any
-    policy: Any = eqx.field(static=True)
-
-    def __call__(self, *a):
-        return eqx.filter_checkpoint(_call, policy=self.policy)(self.module, *a)
-
-
-class Segment(eqx.Module):
-    """Consecutive blocks run under one checkpoint (Chen et al.'s sqrt(n) segments)."""
-
-    blocks: list
-
-    def __call__(self, x):
-        def run(blocks, x):
-            for b in blocks:
-                x = b(x)
-            return x
-
-        return eqx.filter_checkpoint(run, policy=cp.nothing_saveable)(self.blocks, x)
-
-
-def strategy(model: Any, name: str, where: Callable | None) -> Any:
-    """`model` under a fixed strategy: none, full, dots, dots_nb, alternate or sqrt."""
-    if name == "none":
-        return model
-    if where is None:  # the module's own call is the only block
-        pol = UNIFORM.get(name, cp.nothing_saveable)
-        return Ckpt(model, pol) if name in UNIFORM else model
-    blocks = list(where(model))
-    if name in UNIFORM:
-        return eqx.tree_at(where, model, [Ckpt(b, UNIFORM[name]) for b in blocks])
-    if name == "alternate":
-        return eqx.tree_at(where, model, [Ckpt(b, cp.nothing_saveable) if i % 2 == 0 else b
-                                          for i, b in enumerate(blocks)])
-    if name == "sqrt":
-        k = max(1, round(math.sqrt(len(blocks))))
-        return eqx.tree_at(where, model, [Segment(blocks[i:i + k]) for i in range(0, len(blocks), k)])
-    raise ValueError(f"unknown strategy {name!r}")
-
-
-def output_loss(out: Any, target: Any) -> jax.Array:
-    """A real loss, never `jnp.sum(out)` (a constant cotangent lets XLA simplify the backward):
-    cross-entropy against integer labels (next tokens), else the squared error against `target`."""
-    out = out.astype(jnp.float32)
-    if jnp.issubdtype(target.dtype, jnp.integer):
-        logp = jax.nn.log_softmax(out, axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, target[..., None], axis=-1))
-    return jnp.mean((out - target.astype(jnp.float32)) ** 2)
-
-
-def loss_of(model: Any, x: Any, target: Any) -> jax.Array:
-    return output_loss(model(x), target)
-
-
-def target_of(model: Any, x: Any) -> Any:
-    """The step's targets: the tokens shifted by one for a model of tokens, else fixed noise."""
-    out = jax.eval_shape(model, x)
-    if jnp.issubdtype(x.dtype, jnp.integer) and out.shape[:-1] == x.shape:
-        return jnp.roll(x, -1, axis=-1)
-    return jax.random.normal(jax.random.key(7), out.shape, out.dtype)
-
-
-def exact(model: Any, x: Any) -> dict:
-    """`smartremat(**exact(model, x))` verifies plans on exactly this benchmark's loss."""
-    t = target_of(model, x)
-    return {"loss": output_loss, "loss_args": (jax.ShapeDtypeStruct(t.shape, t.dtype),)}
-
-
-def grad_step(model: Any, x: Any):
-    """`(jitted step, params, target)`: the gradient of `loss_of` w.r.t. the model's arrays."""
-    params, static = eqx.partition(model, eqx.is_array)
-    step = jax.jit(jax.grad(lambda p, a, t: loss_of(eqx.combine(p, static), a, t)))
-    return step, params, target_of(model, x)
-
-
-def compile_step(model: Any, x: Any, program: bool = False):
-    """`(step(params, x), params, temp bytes, FLOPs)` of the training step, compiled once; with
-    `program`, also its `program_text`."""
-    step, params, target = grad_step(model, x)
-    c = step.lower(params, x, target).compile()
-    cost = c.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    run = lambda p, a: c(p, a, target)  # noqa: E731  (the targets are part of the step)
-    out = (run, params, c.memory_analysis().temp_size_in_bytes, float(cost["flops"]))
-    return out + (program_text(c.as_text()),) if program else out
-
-
-def program_text(hlo: str) -> str:
-    """The optimised HLO of a compiled step with what does not change the program left out: the
-    source locations (file and function names, line numbers), instruction and parameter names
-    (renumbered in order of appearance) and the module's name. Two steps of equal text run the
-    same instructions on buffers laid out alike: one program, compiled twice."""
-    lines = hlo.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith(("%", "ENTRY"))), 0)
-    text = re.sub(r",? ?metadata=\{[^}]*\}", "", "\n".join(lines[start:]))
-    text = re.sub(r"\b[\w.\-]+: ", "", text)  # parameter names in computation signatures
-    names: dict[str, str] = {}
-    return re.sub(r"%[\w.\-]+", lambda m: names.setdefault(m.group(0), f"%v{len(names)}"), text)
-
-
-def figures(model: Any, x: Any) -> tuple[int, float]:
-    """Compiled temp bytes and FLOPs of the training step."""
-    return compile_step(model, x)[2:]
+@contextlib.contextmanager
+def replaced(original: Callable, replacement: Callable) -> Iterator[None]:
+    """Within the block, `replacement` stands for the smartremat function `original` (one from
+    `smartremat.internal`) in every loaded `smartremat` module that holds it, where the planner
+    looks it up: how a study watches or records what planning does. Restored on exit."""
+    held: list[tuple[Any, str]] = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "smartremat" or name.startswith("smartremat.")):
+            continue
+        held += [(module, attr) for attr, value in list(vars(module).items()) if value is original]
+    if not held:
+        raise RuntimeError(f"no smartremat module holds {original!r}")
+    for module, attr in held:
+        setattr(module, attr, replacement)
+    try:
+        yield
+    finally:
+        for module, attr in held:
+            setattr(module, attr, original)

@@ -17,26 +17,17 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import UNIFORM, exact, figures, strategy  # sets the CPU flag before JAX starts
+import benchmarks.common  # noqa: F401  (sets the CPU flag before JAX starts)
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import smartremat
-from benchmarks.models import GPTBlock, TutorialBlock, TutorialStack
+from benchmarks.models import GPTBlock, Stack, TutorialBlock, TutorialStack
+from benchmarks.strategies import UNIFORM, exact, figures, strategy
 
 MB = smartremat.MB
-
-
-class Stack(eqx.Module):
-    blocks: list
-
-    def __call__(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
 
 
 def models():

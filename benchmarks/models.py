@@ -1,4 +1,6 @@
-"""Equinox models for the demo and the benchmarks."""
+"""Equinox models for the demo, the benchmarks, the studies and the tests (one definition each).
+
+`tests/models.py` holds the models only the tests use."""
 
 from __future__ import annotations
 
@@ -41,6 +43,17 @@ class TutorialStack(eqx.Module):
     def __call__(self, x: Float[Array, "b d"]) -> Float[Array, "b d"]:
         for layer in self.layers:
             x = layer(x)
+        return x
+
+
+class Stack(eqx.Module):
+    """Blocks called one after another (the GPT blocks of the fit, scan and sharded reports)."""
+
+    blocks: list
+
+    def __call__(self, x):
+        for b in self.blocks:
+            x = b(x)
         return x
 
 

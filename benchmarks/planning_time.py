@@ -16,20 +16,21 @@ which holds the chosen plan); the planning time of a second process that reads t
 disk cache written by a first; and first-call planning with the decorator's default losses (no
 `loss=`: squared error and two cross-entropies), with its compiles.
 Then, per model, the compile time of its no-remat and `dots_saveable` steps with the default
-options and with the options smartremat measures with (`_cache.measuring_options`), and whether
+options and with the options smartremat measures with (`smartremat.internal.measuring_options`), and whether
 the two give the same temp bytes and FLOPs.
 
 With `--breakdown`, only the first call of each model, split into the small compiles that profile
 blocks and the whole-step compiles of the search (count and seconds, summed over threads, by
-wrapping `_profile.compiled_temp` where each is called from), and the search's steps (candidates
+wrapping `smartremat.internal.compiled_temp`: a call from the module that defines it profiles a block,
+any other compiles a whole step), and the search's steps (candidates
 compiled together, from its "compiling N candidate plan(s)" log lines, which start once planning
 has taken two seconds, so quicker searches show none); then the time to enumerate
-the model's frontier of that plan's stages with `_solve.frontier` (one pass, without scan runs)
-and by solving once per point (`_solve.frontier_by_solving`).
+the model's frontier of that plan's stages with `frontier` (one pass, without scan runs)
+and by solving once per point (`frontier_by_solving`).
 
 With `--profiling-options`, per model, its block-profile programs compiled one after another with
-the options whole steps are measured with (`_cache.measuring_options`) and with those blocks are
-profiled with (`_cache.profiling_options`): seconds, and whether every temp agrees; then each
+the options whole steps are measured with (`measuring_options`) and with those blocks are
+profiled with (`profiling_options`): seconds, and whether every temp agrees; then each
 uniform plan's whole step under both: temp bytes and FLOPs moved.
 
 With `--flops`, per model and at the budgets a quarter, half and three quarters of the way from full
@@ -64,13 +65,12 @@ import jax
 import jax.numpy as jnp
 
 import smartremat
-
-from smartremat._memory import Stage
-from smartremat._solve import solve
-from benchmarks.common import compile_step, exact, grad_step, strategy
-from benchmarks.fit_report import Stack
-from benchmarks.models import GPTBlock
+from benchmarks.common import replaced
+from benchmarks.models import GPTBlock, Stack
 from benchmarks.run import build
+from benchmarks.strategies import compile_step, exact, grad_step, strategy
+from smartremat.internal import (Stage, compiled_temp, compiled_temps, frontier, frontier_by_solving,
+                                 measuring_options, profiling_options, solve)
 
 MB = smartremat.MB
 MENU_NAME = {"none": "none", "dots": "dots_saveable", "dots_nb": "dots_with_no_batch_dims_saveable",
@@ -126,23 +126,20 @@ def breakdown(name: str) -> str:
     docstring)."""
     import threading
 
-    from smartremat import _profile, _solve, _verify
-
     case = build(name, "quick")
     temps = {p: compile_step(strategy(case.model, p, case.where), case.x)[2] for p in ("none", "full")}
     budget_mb = (temps["none"] + temps["full"]) / 2 / MB
     lock, figures = threading.Lock(), {"profile": [0, 0.0], "step": [0, 0.0]}
-    original = _profile.compiled_temp
 
-    def counted(kind: str):
-        def compiled_temp(*args):
-            t0 = time.perf_counter()
-            out = original(*args)
-            with lock:
-                figures[kind][0] += 1
-                figures[kind][1] += time.perf_counter() - t0
-            return out
-        return compiled_temp
+    def counted(*args):
+        caller = sys._getframe(1).f_globals.get("__name__")  # the profiler's own calls profile blocks
+        kind = "profile" if caller == compiled_temp.__module__ else "step"
+        t0 = time.perf_counter()
+        out = compiled_temp(*args)
+        with lock:
+            figures[kind][0] += 1
+            figures[kind][1] += time.perf_counter() - t0
+        return out
 
     class Steps(logging.Handler):  # the search's "compiling N candidate plan(s)" lines: one per step
         def __init__(self) -> None:
@@ -157,25 +154,24 @@ def breakdown(name: str) -> str:
     level = log.level
     log.addHandler(steps)
     log.setLevel(logging.DEBUG)
-    _profile.compiled_temp, _verify.compiled_temp = counted("profile"), counted("step")
     try:
-        smartremat.clear_caches()
-        seconds, plan = _planned(name, budget_mb)
+        with replaced(compiled_temp, counted):
+            smartremat.clear_caches()
+            seconds, plan = _planned(name, budget_mb)
     finally:
-        _profile.compiled_temp = _verify.compiled_temp = original
         log.removeHandler(steps)
         log.setLevel(level)
     (pn, ps), (sn, ss) = figures["profile"], figures["step"]
     times = {}
-    for how, fn in (("_solve.frontier", _solve.frontier), ("solving once per point", _solve.frontier_by_solving)):
+    for how, fn in (("frontier", frontier), ("solving once per point", frontier_by_solving)):
         t0 = time.perf_counter()
         points = fn(plan.stages)
         times[how] = (time.perf_counter() - t0, len(points))
-    frontier = "; ".join(f"{how} {t:.3f} s ({n} points)" for how, (t, n) in times.items())
+    enumerated = "; ".join(f"{how} {t:.3f} s ({n} points)" for how, (t, n) in times.items())
     return (f"{name}: first call {seconds:.2f} s; block-profile compiles {pn} ({ps:.2f} s summed over threads); "
             f"whole-step compiles {sn} ({ss:.2f} s) in {len(steps.sizes)} steps of {steps.sizes}; "
             f"Plan.compiles {plan.compiles}; "
-            f"the model's frontier of {len(plan.stages)} stages: {frontier}")
+            f"the model's frontier of {len(plan.stages)} stages: {enumerated}")
 
 
 def flops_rows(name: str) -> list[str]:
@@ -201,8 +197,6 @@ def measuring_compile(name: str) -> list[str]:
     """Per uniform plan (no remat, `dots_saveable`) of a quick model: the step's compile time with
     the default options and with smartremat's measuring options, and whether their temp bytes and
     FLOPs agree."""
-    from smartremat._cache import measuring_options
-
     case, rows = build(name, "quick"), []
     for p in ("none", "dots"):
         step, params, target = grad_step(strategy(case.model, p, case.where), case.x)
@@ -222,22 +216,15 @@ def profiling_options_rows(name: str) -> list[str]:
     """Per quick model: its block-profile programs compiled one after another with the measuring
     options and with the profiling options (seconds, and whether every temp agrees), then each
     uniform plan's whole step under both (temp bytes and FLOPs moved)."""
-    from smartremat import _profile
-    from smartremat._cache import measuring_options, profiling_options
-
     case, jobs = build(name, "quick"), []
-    original = _profile._compiled_temps
-    _profile._compiled_temps = lambda js: jobs.extend(js) or original(js)
-    try:
+    with replaced(compiled_temps, lambda js: jobs.extend(js) or compiled_temps(js)):
         smartremat.clear_caches()
         _planned(name, 1e6)
-    finally:
-        _profile._compiled_temps = original
     seconds, temps = {}, {}
     for label, options in (("measuring", measuring_options()), ("profiling", profiling_options())):
         jax.clear_caches()  # JAX keeps the executables planning compiled: compile afresh
         t0 = time.perf_counter()
-        temps[label] = [_profile.compiled_temp(fn, avals, options)[0] for fn, avals in jobs]
+        temps[label] = [compiled_temp(fn, avals, options)[0] for fn, avals in jobs]
         seconds[label] = time.perf_counter() - t0
     rows = [f"{name}: {len(jobs)} block-profile programs, {seconds['measuring']:.2f} s with the measuring options, "
             f"{seconds['profiling']:.2f} s with the profiling options {profiling_options()}; same temp bytes: "

@@ -7,7 +7,7 @@ For each model: every fixed strategy (no remat, full remat of every block, unifo
 `dots_saveable`, uniform `dots_with_no_batch_dims_saveable`, full remat of every other block,
 Chen's sqrt(n) segments) is compiled and timed once; then smartremat is planned, compiled and
 timed at N budgets spread from full remat's compiled temp bytes to no remat's (plus the budget
-halfway between them). Every step is the gradient of a real loss (`benchmarks.common.output_loss`:
+halfway between them). Every step is the gradient of a real loss (`benchmarks.strategies.output_loss`:
 squared error against targets, or next-token cross-entropy), and smartremat verifies its plans on
 exactly that loss (`loss=`), so "fits" is read off the very step that is timed. A fixed strategy
 "fits" a budget when its compiled temp bytes are <= it.
@@ -21,10 +21,12 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import compile_step, exact, strategy  # sets the CPU flag before JAX
+import benchmarks.common  # noqa: F401  (sets the CPU flag before JAX starts)
+from benchmarks.strategies import compile_step, exact, strategy
 
 import argparse
 import json
+import math
 import pathlib
 import platform
 import statistics
@@ -38,7 +40,7 @@ import numpy as np
 
 import smartremat
 from benchmarks import models as M
-from smartremat._tune import round_orders, rounds_for
+from smartremat.internal import round_orders
 
 MB = smartremat.MB
 FIXED = ["none", "full", "dots", "dots_nb", "alternate", "sqrt"]
@@ -123,16 +125,16 @@ SECONDS = 4.0
 MAX_REPEAT = 400
 
 
-def repeat_for(timers: list[Timer], repeat: int) -> int:
-    """`repeat` rounds, or more where the steps are short: about `SECONDS` per program, sized on
+def repeat_for(timers: list[Timer], repeat: int, seconds: float = SECONDS) -> int:
+    """`repeat` rounds, or more where the steps are short: about `seconds` per program, sized on
     one untimed call of each (the median), at most `MAX_REPEAT`."""
-    return rounds_for(statistics.median(t.run() for t in timers), SECONDS, repeat, MAX_REPEAT)
+    return max(repeat, min(MAX_REPEAT, math.ceil(seconds / max(statistics.median(t.run() for t in timers), 1e-9))))
 
 
 def time_all(timers: list[Timer], repeat: int) -> None:
     """`repeat` rounds, each running every step once: drift (allocator state, heat, other
     load) then falls on every strategy alike instead of on whichever ran last. Each round runs
-    in a fresh order, as `tune=True` times (`smartremat._tune.round_orders`): no step always runs
+    in a fresh order, as `tune=True` times (`smartremat.internal.round_orders`): no step always runs
     right after the same one (after the step without remat, a step usually runs slower, by up to 23%)."""
     for order in round_orders(len(timers), repeat):
         for i in order:
@@ -164,7 +166,7 @@ def measure_smart(case: Case, budgets: list[float], ref: list, progress: Progres
                   programs: dict[str, Timer], names: dict[str, str]) -> list[dict]:
     """smartremat planned (with `tune`) and compiled at each budget. A plan whose compiled program
     is one already compiled (a fixed strategy's, or an earlier budget's) is that program: it
-    shares its `Timer` (`programs`, keyed by `common.program_text`) and is timed once, so that a
+    shares its `Timer` (`programs`, keyed by `strategies.program_text`) and is timed once, so that a
     ratio of 1 means the same program, not two draws of the noise. `names` maps a fixed
     strategy's program to its name."""
     rows, by_policies = [], {}
@@ -324,7 +326,10 @@ KEYS = {False: ("smartremat", "headlines"), True: ("tuned", "headlines_tuned")}
 
 
 def run_model(case: Case, names: list[str], n_budgets: int, repeat: int, out: pathlib.Path,
-              tunes: tuple[bool, ...] = (False, True)) -> dict:
+              tunes: tuple[bool, ...] = (False, True), seconds: float = SECONDS) -> dict:
+    """Every fixed strategy of `names` and smartremat's plans (`tunes`) at `n_budgets` budgets
+    (and the halfway one) compiled and timed in the same rounds: `repeat`, or about `seconds` per
+    program where steps are short; the result written to `out` as JSON and a plot, and printed."""
     if case.where is None:  # one block: alternate and sqrt segments are no remat and full remat again
         names = [n for n in names if n not in ("alternate", "sqrt")]
     progress = Progress(len(names) + len(tunes) * n_budgets + 2)
@@ -340,7 +345,7 @@ def run_model(case: Case, names: list[str], n_budgets: int, repeat: int, out: pa
     smart = {tune: measure_smart(case, [b * MB for b in budgets], fixed_timers["none"].grads, progress, tune,
                                  programs, names_of) for tune in tunes}
     timers = list(programs.values()) + [again]
-    repeat = repeat_for(timers, repeat)
+    repeat = repeat_for(timers, repeat, seconds)
     time_all(timers, repeat)
     progress.step(f"{case.name}: timed {len(programs) + 1} distinct programs x {repeat} rounds")
     progress.close()

@@ -2,14 +2,19 @@
 
     python benchmarks/scan_report.py [--layers 12] [--d 128] [--seq 256] [--batch 8] [--out PATH]
 
-Nested options are off for both, so the comparison isolates what the scan itself costs. Part 1 plans with smartremat's model alone (`calibrate=False, verify=False`, so both models
-are planned from the same kind of figures) at budgets between the lowest reachable peak and
+Nested options are off for both, so the comparison isolates what the scan itself costs. Part 1 plans with
+smartremat's model alone (`calibrate=False, verify=False`, so both models are planned from the same
+kind of figures) at budgets between the lowest reachable peak and
 no remat: predicted peak and recompute of the unrolled model, of the scanned model with
 `scan_segments=2` (the default) and with `scan_segments=1` (one policy for the whole scan).
 Part 2 plans the scanned model as the decorator does by default (calibrated, verified) at
 budgets between the compiled temp of full remat and of no remat, and holds each plan against
 the compiler. Part 3 times compiling the training step: the plain scan, the unrolled loop, and
-the scan as planned (split into pieces), each median of `--repeat` fresh compiles.
+the scan as planned (split into pieces), each median of `--repeat` fresh compiles. The training
+step is the gradient of the mean squared error against a target (an input of the step) w.r.t. the
+model's parameters, compiled with the options smartremat measures with (`measuring_options`); its
+budgets run from the temp of the scan under full remat (`jax.checkpoint(policy=nothing_saveable)`
+around each block's call) to that of the plain scan.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import benchmarks.common  # noqa: F401  (sets the CPU flag before JAX starts)
@@ -29,28 +35,25 @@ import jax.numpy as jnp
 import numpy as np
 
 import smartremat
-from smartremat import _planner
-from smartremat._decorator import make_config
-from smartremat._profile import compiled_temp
-from smartremat._spec import make_spec
-from smartremat._apply import run
-from smartremat._options import NO_REMAT
-from smartremat._policies import FULL_REMAT
-from smartremat._verify import SquaredError, loss_step
-from benchmarks.fit_report import Stack
-from benchmarks.models import GPTBlock
+from benchmarks.models import GPTBlock, Stack
+from smartremat.internal import measuring_options
 
 MB = smartremat.MB
 
 
 class ScannedStack(eqx.Module):
-    """`Stack` of the same blocks, stacked with `eqx.filter_vmap` and run by `jax.lax.scan`."""
+    """`Stack` of the same blocks, stacked with `eqx.filter_vmap` and run by `jax.lax.scan`; with
+    `policy`, each block's call under `jax.checkpoint` with it (a fixed strategy)."""
 
     blocks: GPTBlock
+    policy: Any = eqx.field(static=True, default=None)
 
     def __call__(self, x):
         params, static = eqx.partition(self.blocks, eqx.is_array)
-        x, _ = jax.lax.scan(lambda h, p: (eqx.combine(p, static)(h), None), x, params)
+        call = lambda block, h: block(h)  # noqa: E731
+        if self.policy is not None:
+            call = eqx.filter_checkpoint(call, policy=self.policy)
+        x, _ = jax.lax.scan(lambda h, p: (call(eqx.combine(p, static), h), None), x, params)
         return x
 
 
@@ -61,9 +64,15 @@ def build(layers: int, d: int):
     return unrolled, scanned
 
 
-def plan(model, x, budget_mb, segments=2, model_only=True):
-    config = make_config(budget_mb, calibrate=not model_only, verify=not model_only, scan_segments=segments, nested=False)
-    return _planner.get_plan(type(model).__call__, make_spec(model, (x,), {}), model, config)
+def planned(model, x, budget_mb, segments=2, model_only=True) -> tuple[smartremat.Plan, Any]:
+    """`(plan, the model under it)`."""
+    wrapped = smartremat.smartremat(budget_mb=budget_mb, calibrate=not model_only, verify=not model_only,
+                                    scan_segments=segments, nested=False)(model)
+    return smartremat.explain(wrapped, x), wrapped
+
+
+def plan(model, x, budget_mb, segments=2, model_only=True) -> smartremat.Plan:
+    return planned(model, x, budget_mb, segments, model_only)[0]
 
 
 def pieces(p) -> str:
@@ -87,28 +96,34 @@ def model_table(unrolled, scanned, x) -> list[str]:
     return rows
 
 
-def compile_seconds(model, x, assignment, repeat: int) -> tuple[float, int]:
-    spec = make_spec(model, (x,), {})
+def compile_seconds(model, x, repeat: int) -> tuple[float, int]:
+    """`(median seconds of --repeat fresh compiles, temp bytes)` of `model`'s training step (the
+    module docstring), on abstract values."""
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x, jax.eval_shape(model, x)))
+
+    def step(p, x, target):
+        return jax.grad(lambda p: jnp.mean((eqx.combine(p, static)(x).astype(jnp.float32) - target) ** 2))(p)
+
     times, temp = [], 0
     for _ in range(repeat):
         t0 = time.perf_counter()
-        f = spec.function(lambda m, *a, **k: run(m, type(model).__call__, assignment, a, k))
-        temp, _ = compiled_temp(*loss_step(f, spec, SquaredError()))
+        compiled = jax.jit(step).lower(*avals).compile(measuring_options())
+        temp = compiled.memory_analysis().temp_size_in_bytes
         times.append(time.perf_counter() - t0)
     return statistics.median(times), temp
 
 
 def verified_table(unrolled, scanned, x, repeat: int) -> list[str]:
-    where = (("attr", "blocks"),)
-    t_scan, none = compile_seconds(scanned, x, ((where, NO_REMAT),), repeat)
-    t_unrolled, _ = compile_seconds(unrolled, x, (), repeat)
-    _, full = compile_seconds(scanned, x, ((where, FULL_REMAT),), 1)
+    t_scan, none = compile_seconds(scanned, x, repeat)
+    t_unrolled, _ = compile_seconds(unrolled, x, repeat)
+    _, full = compile_seconds(ScannedStack(scanned.blocks, jax.checkpoint_policies.nothing_saveable), x, 1)
     rows = [f"compile, plain scan (no remat): {t_scan:.2f} s; unrolled loop (no remat): {t_unrolled:.2f} s "
             f"(median of {repeat})", "",
             "| budget MB | pieces | predicted MB | compiled MB | fits | compile s |", "|---|---|---|---|---|---|"]
     for b in np.linspace(full, none, 6)[1:-1] / MB:
-        p = plan(scanned, x, b, model_only=False)
-        t, temp = compile_seconds(scanned, x, p.assignment, repeat)
+        p, wrapped = planned(scanned, x, b, model_only=False)
+        t, temp = compile_seconds(wrapped, x, repeat)
         rows.append(f"| {b:.2f} | {pieces(p)} | {p.predicted_peak_bytes / MB:.2f} | {temp / MB:.2f} | "
                     f"{'yes' if temp <= p.budget_bytes else 'NO'} | {t:.2f} |")
     return rows

@@ -42,7 +42,7 @@ jax.config.update("jax_num_cpu_devices", 8)  # before any backend starts: JAX fi
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import smartremat
-from benchmarks.fit_report import Stack
+from benchmarks.models import Stack
 
 MB = smartremat.MB
 

@@ -9,7 +9,7 @@ shapes, in interleaved rounds (more for short steps: `rounds_for`), and the one 
 median time wins (ties: the search's choice). Two compiles of one program differ by no more than
 two halves of one compile's rounds (docs/facts.md, fact 18): the noise is in the sampling, not a
 per-compile offset, and a switch on it costs what it is within. The rule was chosen on simulated
-tunings over measured rounds (fact 19, `benchmarks/tune_rules.py`; two runs, one with rotated and
+tunings over measured rounds (fact 19, `studies/tune_rules.py`; two runs, one with rotated and
 one with shuffled rounds): on the quick GPT and ResNet the lowest median missed fewer switches to
 plans 3-11% faster than keeping the search's choice unless a signed-rank test said another was
 faster, and no other statistic (mean, lower quartile, minimum, a per-round paired ratio) did better

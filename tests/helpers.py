@@ -43,9 +43,9 @@ def short_plan(policies: dict) -> str:
 
 
 # The hand-written fixed strategies and the compiler's figures are the benchmark's own, so tests
-# and benchmarks hold plans against the same reference (`benchmarks/common.py`).
-from benchmarks.common import figures as step_figures  # noqa: E402,F401
-from benchmarks.common import strategy as uniform  # noqa: E402,F401
+# and benchmarks hold plans against the same reference (`benchmarks/strategies.py`).
+from benchmarks.strategies import figures as step_figures  # noqa: E402,F401
+from benchmarks.strategies import strategy as uniform  # noqa: E402,F401
 
 
 def backward(model: Any, *args: Any) -> Any:

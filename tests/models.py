@@ -1,44 +1,13 @@
-"""Small Equinox models shared by the tests."""
+"""Small Equinox models only the tests use.
+
+The tutorial block and its residual stack, the GPT and the models users run are defined once, in
+`benchmarks/models.py` (the tests import them from there)."""
 
 from __future__ import annotations
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-
-
-class TutorialBlock(eqx.Module):
-    """The tutorial block `x -> gelu(x @ W1) @ W2`, as one Module holding only arrays."""
-
-    w1: jax.Array
-    w2: jax.Array
-
-    def __init__(self, d: int, hidden: int, key: jax.Array):
-        k1, k2 = jax.random.split(key)
-        self.w1 = jax.random.normal(k1, (d, hidden)) / d**0.5
-        self.w2 = jax.random.normal(k2, (hidden, d)) / hidden**0.5
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return jax.nn.gelu(x @ self.w1) @ self.w2
-
-
-class Residual(eqx.Module):
-    block: TutorialBlock
-
-    def __call__(self, x):
-        return x + self.block(x)
-
-
-class MLPStack(eqx.Module):
-    layers: list
-
-    def __init__(self, n: int, d: int, hidden: int, key: jax.Array):
-        self.layers = [Residual(TutorialBlock(d, hidden, k)) for k in jax.random.split(key, n)]
-
-    def __call__(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 class Attention(eqx.Module):
@@ -106,8 +75,10 @@ class Transformer(eqx.Module):
         return layer_norm(x)
 
 
-class GPT(eqx.Module):
-    """Token embedding, transformer layers, and a vocabulary head."""
+class TokenTransformer(eqx.Module):
+    """Token embedding, `Transformer`'s layers, and a vocabulary head: a small language model of
+    its own, not `benchmarks.models.GPT` (which adds position embeddings, LayerNorm modules with
+    weights, biases and a final norm, and draws its parameters from other keys)."""
 
     embed: jax.Array
     layers: list

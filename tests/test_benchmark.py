@@ -1,4 +1,5 @@
-"""The benchmark's machinery end to end on a tiny configuration (fields and fit, not timings)."""
+"""The benchmark's machinery end to end on a tiny configuration (fields and fit, not timings), and
+the rules of the `tune=True` study (`studies/tune_rules.py`)."""
 
 import json
 import sys
@@ -76,7 +77,7 @@ def test_summary_written(results):
     ([10.0] * 11, [10.0] * 11, False),  # equal
 ])
 def test_tune_rules_signed_rank_rule_is_a_one_sided_test_at_five_percent(a, b, want):
-    from benchmarks.tune_rules import faster
+    from studies.tune_rules import faster
 
     assert faster(a, b) is want
 
@@ -89,14 +90,14 @@ def test_tune_rules_signed_rank_rule_is_a_one_sided_test_at_five_percent(a, b, w
     ("lowest q25", 1),
 ])
 def test_tune_rules_each_rule_picks_by_its_statistic_among_those_that_fit(rule, want):
-    from benchmarks.tune_rules import choose
+    from studies.tune_rules import choose
 
     times = [[2.0, 6.0, 6.0, 6.0, 6.0], [3.5, 4.0, 4.0, 4.0, 50.0], [5.0, 5.0, 5.0, 5.0, 5.0], [0.1] * 5]
     assert choose(rule, times, fits=[0, 1, 2], incumbent=0) == want  # 3 is fastest but does not fit
 
 
 def test_tune_rules_replays_recorded_rounds_without_timing(tmp_path, capsys):
-    from benchmarks.tune_rules import main
+    from studies.tune_rules import main
 
     programs = [{"temp": t, "flops": 1.0, "times": [s + 0.01 * (k % 3) for k in range(12)]}
                 for t, s in [(4, 1.0), (2, 2.0), (3, 1.5)]]

@@ -15,8 +15,8 @@ import smartremat
 from smartremat import _cache, _planner, _profile, _spec, _step, _verify
 from smartremat import smartremat as sr
 
+from benchmarks.models import TutorialStack
 from tests.helpers import in_threads
-from tests.models import MLPStack
 
 
 class Unhashable:
@@ -131,7 +131,7 @@ def test_a_value_made_across_a_clear_is_returned_but_not_kept():
 
 
 def test_clear_caches_makes_the_next_plan_from_scratch(monkeypatch):
-    model, x = MLPStack(2, 16, 64, jax.random.key(0)), jnp.ones((8, 16))
+    model, x = TutorialStack(2, 16, 64, jax.random.key(0)), jnp.ones((8, 16))
     planned, profiled = [], []
     make_plan, profile = _planner.make_plan, _profile._profile_uncached
     monkeypatch.setattr(_planner, "make_plan", lambda *a: planned.append(1) or make_plan(*a))

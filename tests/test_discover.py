@@ -6,8 +6,9 @@ import pytest
 import smartremat
 from smartremat import smartremat as sr
 
+from benchmarks.models import TutorialBlock, TutorialStack
 from tests.helpers import tree_allclose
-from tests.models import MLPStack, TutorialBlock, Transformer
+from tests.models import Transformer
 
 
 class Branchy(eqx.Module):
@@ -149,7 +150,7 @@ def test_user_code_sees_its_own_sub_modules(lowest):
 class WithDropout(eqx.Module):
     """A stack, then a dropout that passes its input through at inference (a layer without arrays)."""
 
-    stack: MLPStack
+    stack: TutorialStack
     dropout: eqx.nn.Dropout
 
     def __call__(self, x):
@@ -157,10 +158,10 @@ class WithDropout(eqx.Module):
 
 
 @pytest.mark.parametrize("make,ends", [
-    (lambda k: MLPStack(3, 8, 16, k), "layers[2]"),  # returns the last layer's output
+    (lambda k: TutorialStack(3, 8, 16, k), "layers[2]"),  # returns the last layer's output
     (lambda k: Transformer(2, 16, 2, k), None),  # a layer norm after the last layer
     (lambda k: TutorialBlock(8, 16, k), "<self>"),  # the module is its own block
-    (lambda k: WithDropout(MLPStack(3, 8, 16, k), eqx.nn.Dropout(0.1, inference=True)), "stack.layers[2]"),
+    (lambda k: WithDropout(TutorialStack(3, 8, 16, k), eqx.nn.Dropout(0.1, inference=True)), "stack.layers[2]"),
 ], ids=["stack", "head", "lone", "pass_through_last"])
 def test_discovery_marks_the_call_whose_outputs_the_module_returns(make, ends):
     from smartremat._discover import discover, expand_stacks, path_str

@@ -17,8 +17,8 @@ import smartremat
 from smartremat import _disk
 from smartremat import smartremat as sr
 
+from benchmarks.models import TutorialStack
 from tests.helpers import backward, tree_allclose
-from tests.models import MLPStack
 
 OPTIONS = dict(calibrate=False, nested=False)
 
@@ -34,7 +34,7 @@ def disk(tmp_path, monkeypatch):
 
 
 def _model():
-    return MLPStack(3, 16, 64, jax.random.key(0)), jnp.ones((8, 16))
+    return TutorialStack(3, 16, 64, jax.random.key(0)), jnp.ones((8, 16))
 
 
 def _plan(model, x, budget_mb=1.0, **options):
@@ -216,8 +216,8 @@ def test_an_unreadable_or_foreign_file_is_ignored(disk, caplog):
 def test_a_second_process_reads_the_plan(disk):
     script = textwrap.dedent("""
         import jax, jax.numpy as jnp, smartremat
-        from tests.models import MLPStack
-        model = MLPStack(3, 16, 64, jax.random.key(0))
+        from benchmarks.models import TutorialStack
+        model = TutorialStack(3, 16, 64, jax.random.key(0))
         plan = smartremat.explain(smartremat.smartremat(budget_mb=0.05, calibrate=False, nested=False)(model),
                                   jnp.ones((8, 16)))
         print(plan.compiles, plan.policies)

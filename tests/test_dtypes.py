@@ -8,8 +8,8 @@ import pytest
 import smartremat
 from smartremat import smartremat as sr
 
+from benchmarks.models import TutorialStack
 from tests.helpers import step_figures, tree_allclose, uniform
-from tests.models import MLPStack
 
 
 def cast(tree, dtype):
@@ -19,7 +19,7 @@ def cast(tree, dtype):
 class Mixed(eqx.Module):
     """f32 master weights, bf16 compute: the classic mixed-precision pattern."""
 
-    inner: MLPStack
+    inner: TutorialStack
 
     def __call__(self, x):
         return cast(self.inner, jnp.bfloat16)(x.astype(jnp.bfloat16)).astype(jnp.float32)
@@ -27,7 +27,7 @@ class Mixed(eqx.Module):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision_halves_the_bytes_and_fits(dtype):
-    f32 = MLPStack(3, 64, 512, jax.random.key(0))
+    f32 = TutorialStack(3, 64, 512, jax.random.key(0))
     half = cast(f32, dtype)
     x = jnp.ones((32, 64))
     # The jaxpr-level profile (calibrate=False) counts bytes from the dtypes: exactly half.
@@ -44,7 +44,7 @@ def test_half_precision_halves_the_bytes_and_fits(dtype):
 
 
 def test_mixed_precision_counts_bf16_activations():
-    inner = MLPStack(3, 64, 512, jax.random.key(0))
+    inner = TutorialStack(3, 64, 512, jax.random.key(0))
     x = jnp.ones((32, 64))
     cfg = dict(budget_mb=100, verify=False, calibrate=False)
     plan = smartremat.explain(sr(**cfg, blocks=lambda m: m.inner.layers)(Mixed(inner)), x)

@@ -13,8 +13,8 @@ import smartremat
 from smartremat import _policies
 from smartremat import smartremat as sr
 
+from benchmarks.models import TutorialBlock, TutorialStack
 from tests.helpers import backward
-from tests.models import MLPStack, TutorialBlock
 
 
 @pytest.mark.parametrize("bad", [0, -1, math.nan, math.inf, "10", None, True])
@@ -41,14 +41,14 @@ def test_blocks_not_callable_argument():
 
 
 def test_blocks_naming_nothing_callable():
-    model = MLPStack(2, 16, 32, jax.random.key(0))
+    model = TutorialStack(2, 16, 32, jax.random.key(0))
     wrapped = sr(budget_mb=1, blocks=lambda m: m.layers[0].block.w1)(model)
     with pytest.raises(ValueError, match=r"`smartremat\(blocks=\.\.\.\)` returned an array \(float32\[16, 32\]\), which is not a callable `eqx.Module`"):
         backward(wrapped, jnp.ones((2, 16)))
 
 
 def test_blocks_returning_nothing():
-    model = MLPStack(2, 16, 32, jax.random.key(0))
+    model = TutorialStack(2, 16, 32, jax.random.key(0))
     with pytest.raises(ValueError, match=r"returned no sub-modules"):
         backward(sr(budget_mb=1, blocks=lambda m: [])(model), jnp.ones((2, 16)))
 
@@ -83,7 +83,7 @@ def test_a_policy_that_ignores_its_names_is_refused(made):
 
 @pytest.mark.parametrize("verify", [True, False])
 def test_infeasible_budget_states_minimum(verify):
-    model = MLPStack(3, 64, 512, jax.random.key(0))
+    model = TutorialStack(3, 64, 512, jax.random.key(0))
     x = jnp.ones((32, 64))
     with pytest.raises(ValueError, match=r"`smartremat\(budget_mb=0\.001\)` is below the lowest peak .*: \d+\.\d+ MB .*Raise `budget_mb` to at least") as e:
         backward(sr(budget_mb=0.001, verify=verify)(model), x)
@@ -125,7 +125,7 @@ def test_scan_segments_accepts_numpy_integers():
 
 
 def test_empty_policy_menu_is_blamed_not_the_budget():
-    model = MLPStack(2, 16, 64, jax.random.key(0))
+    model = TutorialStack(2, 16, 64, jax.random.key(0))
     x = jnp.ones((8, 16))
     with pytest.raises(ValueError, match=r"`smartremat\(policies=\.\.\.\)` offers no checkpoint policy: .*`policies=\[\]`"
                        r".*no remat, whose peak, \d+\.\d+ MB, is above `budget_mb=0\.001`.*"
@@ -137,7 +137,7 @@ def test_empty_policy_menu_is_blamed_not_the_budget():
 
 
 def test_policy_that_raises_is_named_with_what_to_do():
-    model = MLPStack(2, 16, 64, jax.random.key(0))
+    model = TutorialStack(2, 16, 64, jax.random.key(0))
     x = jnp.ones((8, 16))
 
     def broken(prim, *avals, **params):
@@ -153,14 +153,14 @@ def test_policy_that_raises_is_named_with_what_to_do():
 
 
 def test_wrapping_a_planned_module_again_is_refused():
-    model = MLPStack(2, 16, 64, jax.random.key(0))
+    model = TutorialStack(2, 16, 64, jax.random.key(0))
     wrapped = sr(budget_mb=1)(model)
     with pytest.raises(TypeError, match=r"applied to a `SmartRemat`, a module already wrapped by "
-                       r"`smartremat\(budget_mb=1\)` \(around a MLPStack\).*`smartremat\(budget_mb=\.\.\.\)\(wrapped\.module\)`"):
+                       r"`smartremat\(budget_mb=1\)` \(around a TutorialStack\).*`smartremat\(budget_mb=\.\.\.\)\(wrapped\.module\)`"):
         sr(budget_mb=2)(wrapped)
 
     @sr(budget_mb=1)
-    class Planned(MLPStack):
+    class Planned(TutorialStack):
         pass
 
     with pytest.raises(TypeError, match=r"applied to an instance of 'Planned', whose class is already decorated with "
@@ -171,10 +171,10 @@ def test_wrapping_a_planned_module_again_is_refused():
 _NO_FLAG = """
 import jax, jax.numpy as jnp
 from smartremat import smartremat as sr
-from tests.models import MLPStack
+from benchmarks.models import TutorialStack
 from tests.helpers import backward
 try:
-    backward(sr(budget_mb=0.001, verify=False, calibrate=False)(MLPStack(2, 16, 64, jax.random.key(0))), jnp.ones((8, 16)))
+    backward(sr(budget_mb=0.001, verify=False, calibrate=False)(TutorialStack(2, 16, 64, jax.random.key(0))), jnp.ones((8, 16)))
 except ValueError as e:
     print(e)
 """

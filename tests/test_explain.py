@@ -13,8 +13,9 @@ from smartremat import MB
 from smartremat import smartremat as sr
 from smartremat._memory import cost_of, peak_of
 
+from benchmarks.models import TutorialStack
 from tests.helpers import backward
-from tests.models import MLPStack, Transformer
+from tests.models import Transformer
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +74,10 @@ def test_table_content(plan):
 
 
 def test_identical_consecutive_blocks_are_grouped():
-    model = MLPStack(6, 32, 64, jax.random.key(0))
+    model = TutorialStack(6, 32, 64, jax.random.key(0))
     plan = smartremat.explain(sr(budget_mb=100, verify=False)(model), jnp.ones((4, 32)))
     assert set(plan.policies.values()) == {"none"}
-    assert re.search(r"^layers\[0:6\]\s+Residual x6", str(plan), flags=re.M)
+    assert re.search(r"^layers\[0:6\]\s+ResidualBlock x6", str(plan), flags=re.M)
 
 
 def test_plot_writes_a_figure(plan, tmp_path):
@@ -94,11 +95,11 @@ def test_plot_without_matplotlib_says_what_to_do(plan, monkeypatch, tmp_path):
 
 def test_smartremat_log_prints_each_new_plan(monkeypatch, capsys):
     monkeypatch.setenv("SMARTREMAT_LOG", "1")
-    model = MLPStack(2, 16, 32, jax.random.key(1))
+    model = TutorialStack(2, 16, 32, jax.random.key(1))
     wrapped = sr(budget_mb=7.5, verify=False)(model)
     backward(wrapped, jnp.ones((3, 16)))
     out = capsys.readouterr().out
-    assert "smartremat planned MLPStack" in out and "budget 7.50 MB" in out
+    assert "smartremat planned TutorialStack" in out and "budget 7.50 MB" in out
     backward(wrapped, jnp.ones((3, 16)))  # cached: no new plan, nothing printed
     assert "smartremat planned" not in capsys.readouterr().out
 
@@ -107,9 +108,9 @@ def test_logging_at_info_shows_the_plan(caplog):
     import logging
 
     caplog.set_level(logging.INFO, logger="smartremat")
-    model = MLPStack(2, 16, 32, jax.random.key(2))
+    model = TutorialStack(2, 16, 32, jax.random.key(2))
     backward(sr(budget_mb=6.5, verify=False)(model), jnp.ones((3, 16)))
-    assert any("smartremat planned MLPStack" in r.getMessage() and "budget 6.50 MB" in r.getMessage()
+    assert any("smartremat planned TutorialStack" in r.getMessage() and "budget 6.50 MB" in r.getMessage()
                for r in caplog.records)
 
 
@@ -129,7 +130,7 @@ def test_two_lambdas_are_two_options_and_run_as_planned():
     calls = []
     saves_dots = lambda prim, *avals, **params: prim is jax.lax.dot_general_p  # noqa: E731
     saves_nothing = lambda prim, *avals, **params: calls.append(prim) or False  # noqa: E731
-    model = MLPStack(2, 16, 256, jax.random.key(0))
+    model = TutorialStack(2, 16, 256, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (32, 16))
     options = dict(policies=[saves_dots, saves_nothing], verify=False, calibrate=False, nested=False)
     roomy = smartremat.explain(sr(budget_mb=100, **options)(model), x)

@@ -1,6 +1,6 @@
 """The budget promise, held against the compiler on the user's own training step.
 
-Every step here uses a real loss (`benchmarks.common.output_loss`: squared error against targets,
+Every step here uses a real loss (`benchmarks.strategies.output_loss`: squared error against targets,
 or next-token cross-entropy for the GPT), never `jnp.sum(out)`. Four budgets from full remat's
 compiled temp bytes to no remat's, per model: the decorated model's step fits, its temp bytes
 never rise as the budget falls, and its gradients equal no remat's, with the model's own pytree
@@ -15,21 +15,22 @@ import numpy as np
 import pytest
 
 import smartremat
-from benchmarks.common import compile_step, exact
+from benchmarks.strategies import compile_step, exact
 from smartremat import MB
 
+from benchmarks.models import TutorialBlock, TutorialStack
 from tests.helpers import short_plan, tier, tree_allclose, uniform
-from tests.models import GPT, Batched, ConvNet, MLPStack, Transformer, TutorialBlock
+from tests.models import Batched, ConvNet, TokenTransformer, Transformer
 
 UNIFORM = ["none", "dots", "dots_nb", "full"]
 
 CASES = {
     # name: (model, input, where the blocks are for hand-written uniform plans, run under jax.vmap)
     "tutorial": (lambda: TutorialBlock(512, 8192, jax.random.key(0)), (64, 512), None, False),  # seed size
-    "stack": (lambda: MLPStack(4, 256, 2048, jax.random.key(0)), (64, 256), lambda m: m.layers, False),
+    "stack": (lambda: TutorialStack(4, 256, 2048, jax.random.key(0)), (64, 256), lambda m: m.layers, False),
     "transformer": (lambda: Transformer(4, 128, 4, jax.random.key(0)), (4, 128, 128), lambda m: m.layers, False),
     # embedding and head outside the blocks: a fixed part of the peak; next-token cross-entropy
-    "gpt": (lambda: GPT(3, 64, 4, 64, 512, jax.random.key(0)), (8, 64), lambda m: m.layers, False),
+    "gpt": (lambda: TokenTransformer(3, 64, 4, 64, 512, jax.random.key(0)), (8, 64), lambda m: m.layers, False),
     "convnet_vmap": (lambda: ConvNet(3, 16, 10, jax.random.key(0)), (16, 3, 32, 32), lambda m: m.blocks, True),
 }
 

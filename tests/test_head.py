@@ -22,7 +22,7 @@ NAMES = {None: "none", "dots": "dots_saveable", "full": "nothing_saveable"}
 
 @pytest.fixture(scope="module")
 def gpt_and_plan():
-    from benchmarks.common import exact
+    from benchmarks.strategies import exact
     from benchmarks.models import GPT
 
     model = GPT(3, 128, 4, 128, 2048, jax.random.key(0))  # the head's logits outweigh a block's kept bytes
@@ -39,7 +39,7 @@ def gpt_and_plan():
     ["dots", None, "full"],
 ])
 def test_the_head_after_the_last_block_is_predicted(gpt_and_plan, layers):
-    from benchmarks.common import UNIFORM, Ckpt
+    from benchmarks.strategies import UNIFORM, Ckpt
 
     model, x, plan = gpt_and_plan
     choice = [plan.menu.index(NAMES[p]) for p in layers]
@@ -92,7 +92,7 @@ def test_a_block_whose_first_argument_is_not_one_array_is_not_skipped():
 
 
 def test_the_model_stays_as_it_was_where_the_head_cannot_be_measured(gpt_and_plan, monkeypatch):
-    from benchmarks.common import exact
+    from benchmarks.strategies import exact
 
     from smartremat import _head
 

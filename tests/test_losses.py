@@ -19,8 +19,9 @@ import pytest
 import smartremat
 from smartremat import MB
 
+from benchmarks.models import TutorialStack
 from tests.helpers import short_plan, tier, tree_allclose
-from tests.models import MLPStack, Transformer
+from tests.models import Transformer
 
 
 class WithHidden(eqx.Module):
@@ -45,7 +46,7 @@ LOSSES = {
 }
 
 MODELS = {
-    "stack": (lambda: MLPStack(4, 256, 2048, jax.random.key(0)).layers, (64, 256)),
+    "stack": (lambda: TutorialStack(4, 256, 2048, jax.random.key(0)).layers, (64, 256)),
     "transformer": (lambda: Transformer(3, 64, 4, jax.random.key(0)).layers, (4, 64, 64)),
 }
 

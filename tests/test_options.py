@@ -11,7 +11,7 @@ from smartremat._policies import DEFAULT_MENU, FULL_REMAT, normalise_policies
 from smartremat._profile import profile_block
 from smartremat._spec import make_spec
 
-from tests.models import TutorialBlock
+from benchmarks.models import TutorialBlock
 
 cp = jax.checkpoint_policies
 MLP, ATTN = (("attr", "mlp"),), (("attr", "attn"),)

@@ -10,8 +10,9 @@ import smartremat
 from smartremat import _cost
 from smartremat import smartremat as sr
 
+from benchmarks.models import TutorialBlock
 from tests.helpers import FULL
-from tests.models import ConvNet, Transformer, TutorialBlock
+from tests.models import ConvNet, Transformer
 
 cp = jax.checkpoint_policies
 
@@ -168,7 +169,7 @@ def test_kept_bytes_are_what_the_compiled_stack_keeps(batch, d, hidden):
     # XLA places a tutorial block's saved activations in its own weight gradients' output buffers
     # (docs/facts.md, fact 11): under `dots_saveable` and full remat the compiled step keeps nothing
     # per block in its temp bytes, and the profile must count that, not the jaxpr's residuals
-    from benchmarks.common import exact
+    from benchmarks.strategies import exact
     from benchmarks.models import TutorialStack
 
     from tests.helpers import step_figures, uniform
@@ -186,7 +187,7 @@ def test_the_block_the_loss_is_taken_on_is_profiled_under_a_real_loss(stacked):
     # a loss on a block's outputs gives a cotangent computed from them; the summed outputs' constant
     # cotangent lets XLA drop the forward's last product and fold the backward's first, which made
     # no remat 2 MB smaller than the compiled step of 6.125 MB (docs/facts.md, fact 10)
-    from benchmarks.common import exact
+    from benchmarks.strategies import exact
     from benchmarks.models import TutorialBlock, TutorialStack
 
     from tests.helpers import step_figures, uniform
@@ -209,7 +210,7 @@ def test_blocks_that_lend_their_gradient_buffers_to_later_blocks_are_predicted(l
     # written last, to the activations of the blocks after it (docs/facts.md, fact 12): the first
     # block under full remat takes 6 MB off the compiled step, 2.125 of its own and 3.875 lent. Its
     # kept bytes are below zero; counted as zero, the first plan was over-predicted by half
-    from benchmarks.common import UNIFORM, Ckpt, exact
+    from benchmarks.strategies import UNIFORM, Ckpt, exact
     from benchmarks.models import TutorialStack
     from smartremat._memory import peak_of
 
@@ -233,9 +234,8 @@ def test_kept_bytes_are_what_each_block_of_a_long_stack_keeps(policy, short):
     # on 8 and 4 blocks (abstract: nothing is allocated). Through d61ddb0 the profile said 47.77 MB a
     # block under full remat (the stack keeps 12) and, on jax 0.10, 95.77 under dots_nb (108); on
     # 72c4cf6, 71.94 under dots_nb on jax 0.9 (docs/facts.md, fact 14)
-    from benchmarks.common import UNIFORM, Ckpt
-    from benchmarks.fit_report import Stack
-    from benchmarks.models import GPTBlock
+    from benchmarks.models import GPTBlock, Stack
+    from benchmarks.strategies import UNIFORM, Ckpt
 
     x = jax.ShapeDtypeStruct((8, 512, 768), jnp.float32)
 

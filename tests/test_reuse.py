@@ -12,12 +12,12 @@ import smartremat
 from smartremat import _planner
 from smartremat import smartremat as sr
 
+from benchmarks.models import TutorialStack
 from tests.helpers import backward, in_threads, tree_allclose
-from tests.models import MLPStack
 
 
 @sr(budget_mb=0.5)
-class Stack(MLPStack):
+class Stack(TutorialStack):
     pass
 
 
@@ -51,7 +51,7 @@ def test_optax_adamw_trains_a_decorated_model():
 
 
 def test_saved_plan_loads_and_skips_planning(tmp_path, monkeypatch):
-    model = MLPStack(3, 64, 1024, jax.random.key(0))
+    model = TutorialStack(3, 64, 1024, jax.random.key(0))
     x = jnp.ones((16, 64))
     plan = smartremat.explain(sr(budget_mb=0.5)(model), x)
     plan.save(str(tmp_path / "plan.json"))
@@ -72,7 +72,7 @@ def test_saved_plan_loads_and_skips_planning(tmp_path, monkeypatch):
 
 
 def test_two_threads_plan_once_and_agree(monkeypatch):
-    model = MLPStack(3, 64, 512, jax.random.key(3))
+    model = TutorialStack(3, 64, 512, jax.random.key(3))
     x = jnp.ones((24, 64))
     smartremat.clear_caches()
     made, make_plan = [], _planner.make_plan

@@ -14,8 +14,8 @@ from smartremat import MB, _planner
 from smartremat._options import NO_REMAT
 from smartremat import smartremat as sr
 
+from benchmarks.models import TutorialStack
 from tests.helpers import tree_allclose
-from tests.models import MLPStack
 
 OPTIONS = dict(verify=False, calibrate=False, nested=False)
 
@@ -23,7 +23,7 @@ OPTIONS = dict(verify=False, calibrate=False, nested=False)
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """`(model, x, plan, path, its JSON)` for a plan that checkpoints some blocks and not others."""
-    model = MLPStack(3, 16, 256, jax.random.key(0))
+    model = TutorialStack(3, 16, 256, jax.random.key(0))
     x = jnp.ones((32, 16))
     roomy = smartremat.explain(sr(budget_mb=100, **OPTIONS)(model), x)
     budget = (roomy.min_peak_bytes + roomy.no_remat_peak_bytes) / 2 / MB

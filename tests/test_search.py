@@ -202,11 +202,11 @@ def test_planning_says_what_it_is_doing_and_counts_its_compiles(monkeypatch, cap
 
     import smartremat
     from smartremat import _planner
-    from tests.models import MLPStack
+    from benchmarks.models import TutorialStack
 
     monkeypatch.setattr(_planner, "_QUIET_SECONDS", 0.0)
     smartremat.clear_caches()
-    model = MLPStack(3, 16, 64, jax.random.key(0))
+    model = TutorialStack(3, 16, 64, jax.random.key(0))
     with caplog.at_level(logging.INFO, logger="smartremat"):
         plan = smartremat.explain(smartremat.smartremat(budget_mb=0.05, nested=False)(model), jnp.ones((8, 16)))
     assert "profiling block call 1 of 3: layers[0]" in caplog.text
@@ -248,9 +248,9 @@ def test_uniform_policies_merged_for_every_block_are_one_choice():
     from smartremat._discover import call_module
     from smartremat._policies import DEFAULT_MENU
     from smartremat._spec import make_spec
-    from tests.models import MLPStack
+    from benchmarks.models import TutorialStack
 
-    model, x = MLPStack(3, 16, 64, jax.random.key(0)), jnp.ones((8, 16))
+    model, x = TutorialStack(3, 16, 64, jax.random.key(0)), jnp.ones((8, 16))
     config = _model.Config(budget_bytes=10**9, policies=DEFAULT_MENU, calibrate=False, nested=False)
     built = _model.build_model(call_module, make_spec(model, (x,), {}), model, config)
     names = [p.name for p in DEFAULT_MENU]

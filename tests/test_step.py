@@ -16,19 +16,20 @@ import optax
 import pytest
 
 import smartremat
-from benchmarks.common import output_loss, target_of
+from benchmarks.strategies import output_loss, target_of
 from smartremat import MB
 from smartremat._memory import peak_of
 
+from benchmarks.models import TutorialBlock, TutorialStack
 from tests.helpers import short_plan, tier, tree_allclose
-from tests.models import GPT, Batched, ConvNet, MLPStack, Transformer, TutorialBlock
+from tests.models import Batched, ConvNet, TokenTransformer, Transformer
 
 CASES = {
     # name: (model, input shape, called under jax.vmap by the loss)
     "tutorial": (lambda: TutorialBlock(512, 8192, jax.random.key(0)), (64, 512), False),  # seed size
-    "stack": (lambda: MLPStack(4, 256, 2048, jax.random.key(0)), (256, 256), False),
+    "stack": (lambda: TutorialStack(4, 256, 2048, jax.random.key(0)), (256, 256), False),
     "transformer": (lambda: Transformer(4, 128, 4, jax.random.key(0)), (4, 128, 128), False),
-    "gpt": (lambda: GPT(3, 64, 4, 64, 512, jax.random.key(0)), (8, 64), False),
+    "gpt": (lambda: TokenTransformer(3, 64, 4, 64, 512, jax.random.key(0)), (8, 64), False),
     "convnet_vmap": (lambda: ConvNet(3, 16, 10, jax.random.key(0)), (16, 3, 32, 32), True),
 }
 
@@ -112,9 +113,9 @@ def test_whole_step_fits_is_monotone_and_equals_the_plain_step(case, fit_log):
 def big_head():
     """A GPT whose head (unembedding to 2048 and the loss) outweighs a block's kept bytes, its
     step and arguments, and `filter_jit`'s plan of it (every option, no nesting)."""
-    from benchmarks.models import GPT as BenchGPT
+    from benchmarks.models import GPT
 
-    model = BenchGPT(3, 128, 4, 128, 2048, jax.random.key(0))
+    model = GPT(3, 128, 4, 128, 2048, jax.random.key(0))
     x = jax.random.randint(jax.random.key(1), (4, 128), 0, 2048)
     y = target_of(model, x)
     step = make_step(False)
@@ -133,7 +134,7 @@ def test_the_rest_of_the_step_is_a_tail_after_the_last_block(big_head, layers):
     # the backward of the rest of the step (head, loss) runs while every block's kept bytes are
     # alive, once, not beside every block. Through f50784f it was a constant beside every block:
     # these plans were over-predicted by 1.5%, 15%, 22%, 33% and 20% (docs/facts.md, fact 16)
-    from benchmarks.common import UNIFORM, Ckpt
+    from benchmarks.strategies import UNIFORM, Ckpt
 
     model, x, y, step, plan = big_head
     names = {None: "none", "dots": "dots_saveable", "full": "nothing_saveable"}

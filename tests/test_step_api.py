@@ -10,8 +10,8 @@ import pytest
 import smartremat
 from smartremat import MB, _step_plan
 
+from benchmarks.models import TutorialStack
 from tests.helpers import tree_allclose
-from tests.models import MLPStack
 
 OPT = optax.sgd(1e-2, momentum=0.9)
 
@@ -33,7 +33,7 @@ def _temp(jitted, *args) -> int:
 
 
 def _setup(model=None):
-    model = MLPStack(3, 64, 1024, jax.random.key(0)) if model is None else model
+    model = TutorialStack(3, 64, 1024, jax.random.key(0)) if model is None else model
     x = jax.random.normal(jax.random.key(1), (64, 64))
     return model, OPT.init(eqx.filter(model, eqx.is_array)), x, jnp.tanh(x)
 
@@ -63,11 +63,11 @@ def test_lower_compile_and_explain_read_the_step_that_runs():
     assert compiled.memory_analysis().temp_size_in_bytes == plan.compiled_peak_bytes <= 8 * MB
     assert plan is planned.plan(*args)
     assert tree_allclose(compiled(*args), planned(*args), rtol=0)
-    assert "Residual" in str(plan) and set(plan.policies) == {f"layers[{i}]" for i in range(3)}
+    assert "ResidualBlock" in str(plan) and set(plan.policies) == {f"layers[{i}]" for i in range(3)}
 
 
 @smartremat.smartremat(budget_mb=1000)
-class Decorated(MLPStack):
+class Decorated(TutorialStack):
     pass
 
 
@@ -83,7 +83,7 @@ def test_a_decorated_module_is_planned_by_the_step_not_by_its_own_budget():
 
 
 def test_two_modules_in_one_step_are_planned_together():
-    enc, dec = MLPStack(2, 64, 1024, jax.random.key(0)), MLPStack(2, 64, 1024, jax.random.key(1))
+    enc, dec = TutorialStack(2, 64, 1024, jax.random.key(0)), TutorialStack(2, 64, 1024, jax.random.key(1))
     x = jax.random.normal(jax.random.key(2), (64, 64))
 
     def autoencoder(enc, dec, x):  # the decoder is called first: labels follow the arrays
@@ -107,7 +107,7 @@ def test_inside_an_outer_jit_the_planned_step_is_inlined():
 class _Trainer(eqx.Module):
     """A model trained through its own method, decorated as `eqx.filter_jit` allows."""
 
-    net: MLPStack
+    net: TutorialStack
 
     @smartremat.filter_jit(budget_mb=0.9)  # plain temp 1.31 MB, floor 0.52 MB
     def grads(self, x, y):
@@ -159,7 +159,7 @@ def test_errors_name_the_argument_the_value_and_the_fix():
     model, _, x, y = _setup()
     with pytest.raises(ValueError, match=r"filter_jit\(budget_mb=0.001\)` is below the lowest.*at least"):
         smartremat.filter_jit(grads, budget_mb=1e-3)(model, x, y)
-    with pytest.raises(ValueError, match=r"found no call of an Equinox module.*model \(MLPStack\)"):
+    with pytest.raises(ValueError, match=r"found no call of an Equinox module.*model \(TutorialStack\)"):
         smartremat.filter_jit(lambda model, x: x * 2, budget_mb=1)(_setup()[0], jnp.ones(3))
     planned = smartremat.filter_jit(step, budget_mb=8)
     with pytest.raises(ValueError, match=r"explain\(model=...\)` got a step made by `smartremat.filter_jit`"):
@@ -192,12 +192,12 @@ def test_a_loss_under_its_own_filter_jit_gets_the_plan():
     assert tree_allclose(planned(model, x, y), want, rtol=1e-6)
 
 
-class Sub(MLPStack):
+class Sub(TutorialStack):
     def __call__(self, x):
         return super().__call__(x) * 2.0
 
 
-class Inherits(MLPStack):
+class Inherits(TutorialStack):
     pass
 
 
@@ -212,11 +212,11 @@ def test_a_subclass_and_its_base_in_one_step(cls):
     planned = smartremat.filter_jit(both, budget_mb=100)
     assert {p.split(".")[0] for p in smartremat.explain(planned, base, other, x).policies} == {"a", "b"}
     assert tree_allclose(planned(base, other, x), eqx.filter_jit(both)(base, other, x), rtol=1e-6)
-    assert MLPStack.__call__ is MLPStack.__dict__["__call__"] and "__call__" not in Inherits.__dict__
+    assert TutorialStack.__call__ is TutorialStack.__dict__["__call__"] and "__call__" not in Inherits.__dict__
 
 
 class TrainState(eqx.Module):
-    model: MLPStack
+    model: TutorialStack
     step: jax.Array
 
 

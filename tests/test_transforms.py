@@ -9,8 +9,8 @@ import smartremat
 from smartremat import _model, _planner
 from smartremat import smartremat as sr
 
+from benchmarks.models import TutorialStack
 from tests.helpers import tree_allclose
-from tests.models import MLPStack
 
 
 def loss(m, x):
@@ -19,7 +19,7 @@ def loss(m, x):
 
 @pytest.fixture(scope="module")
 def model():
-    return MLPStack(3, 64, 1024, jax.random.key(0))
+    return TutorialStack(3, 64, 1024, jax.random.key(0))
 
 
 @pytest.mark.parametrize("transform", ["jax.jit+grad", "filter_jit+filter_value_and_grad", "grad"])
@@ -94,7 +94,7 @@ def test_second_call_neither_reprofiles_nor_retraces(model, monkeypatch):
     monkeypatch.setattr(_model, "profile_block", lambda *a: profiled.append(1) or real(*a))
 
     @sr(budget_mb=0.45)
-    class Counted(MLPStack):
+    class Counted(TutorialStack):
         pass
 
     original = Counted.__smartremat__[1]

@@ -12,8 +12,8 @@ import smartremat
 from smartremat import MB, _module_plan, _planner, _tune
 from smartremat._search import Outcome, CandidateFigures
 
+from benchmarks.models import TutorialStack
 from tests.helpers import backward, tree_allclose
-from tests.models import MLPStack
 
 
 @pytest.mark.parametrize("aval", [
@@ -77,7 +77,7 @@ def test_the_fitting_candidate_of_the_lowest_median_time_is_kept(times_of_2, swi
 
 
 def _stack():
-    model = MLPStack(4, 64, 512, jax.random.key(0))
+    model = TutorialStack(4, 64, 512, jax.random.key(0))
     return model, jax.random.normal(jax.random.key(1), (32, 64))
 
 

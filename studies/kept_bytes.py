@@ -1,6 +1,6 @@
 """What a block keeps for the backward: the profile's chains against long stacks, per policy.
 
-    python benchmarks/kept_bytes.py [--d 768] [--layers 4 8 24]
+    python studies/kept_bytes.py [--d 768] [--layers 4 8 24]
 
 A stack of pre-LayerNorm GPT blocks (d, d/64 heads, T=512, batch 8, abstract: nothing is
 allocated), each block under one policy, compiled at each depth under the mean squared error; what
@@ -19,16 +19,17 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import UNIFORM, Ckpt  # sets the CPU flag before JAX starts
+import benchmarks.common  # noqa: F401  (sets the CPU flag before JAX starts)
+from benchmarks.strategies import UNIFORM, Ckpt
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 import smartremat
-from benchmarks.fit_report import Stack
-from benchmarks.models import GPTBlock
-from smartremat import _profile
+from benchmarks.models import GPTBlock, Stack
+from benchmarks.common import replaced
+from smartremat.internal import calibration, chain_job, chainable, compiled_temps
 
 MB = smartremat.MB
 SHORT = {"none": "none", "dots_saveable": "dots", "dots_with_no_batch_dims_saveable": "dots_nb",
@@ -55,26 +56,22 @@ def compiled(d: int, n: int, policy: str) -> int:
 def chains(d: int) -> tuple[dict, dict]:
     """`({option: {chain label: temp bytes}}, {option: kept bytes in the profile})` of one block."""
     found: dict = {}
-    original = _profile._calibration
 
     def recording(raw, spec, n_module, calibrate):
-        out = original(raw, spec, n_module, calibrate)
-        at = _profile._chainable(raw[0].f, spec, n_module)
+        out = calibration(raw, spec, n_module, calibrate)
+        at = chainable(raw[0].f, spec, n_module)
         none = raw[0].f
         for m in raw:
             jobs = {"j": [m.f, none], "jj": [m.f, m.f, none], "n": [none, none], "nj": [none, m.f, none],
                     "alone": [none]}
-            temps = _profile._compiled_temps([_profile._chain_job(c, spec, n_module, at) for c in jobs.values()])
+            temps = compiled_temps([chain_job(c, spec, n_module, at) for c in jobs.values()])
             found[m.option.name] = dict(zip(jobs, temps))
         return out
 
-    _profile._calibration = recording
-    try:
+    with replaced(calibration, recording):
         smartremat.clear_caches()
         plan = smartremat.explain(smartremat.smartremat(budget_mb=1e6, verify=False, nested=False)(stack(d, 2)),
                                   jax.ShapeDtypeStruct((8, 512, d), jnp.float32))
-    finally:
-        _profile._calibration = original
     kept = {o.name: o.saved_bytes for o in plan.blocks[0].options}
     return found, kept
 

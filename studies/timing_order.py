@@ -1,12 +1,12 @@
 """Does a step's time depend on which step ran just before it? (issue 13: how to order timing rounds.)
 
-    python benchmarks/timing_order.py [--model resnet] [--rounds 40]
+    python studies/timing_order.py [--model resnet] [--rounds 40]
 
 Four fixed strategies of a quick benchmark model (no remat, `dots_saveable`, full remat,
 `dots_with_no_batch_dims_saveable`) are compiled as the benchmark's training step and timed in
 `--rounds` interleaved rounds under two designs, each run twice: the order rotated by one from
 round to round (which keeps each step's predecessor), and shuffled afresh each round
-(`smartremat._tune.round_orders`). Printed per design: each step's median, and its median when
+(`smartremat.internal.round_orders`). Printed per design: each step's median, and its median when
 it ran right after the step without remat against after any other.
 """
 
@@ -16,7 +16,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import compile_step, strategy  # sets the CPU flag before JAX
+import benchmarks.common  # noqa: F401  (sets the CPU flag before JAX starts)
+from benchmarks.strategies import compile_step, strategy
 
 import argparse
 import statistics
@@ -25,7 +26,7 @@ import time
 import jax
 
 from benchmarks.run import build, environment
-from smartremat._tune import round_orders
+from smartremat.internal import round_orders
 
 NAMES = ["none", "dots", "full", "dots_nb"]
 

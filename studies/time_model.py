@@ -1,6 +1,6 @@
 """Which cost model orders training-step times (issue 13)? Measured on the quick benchmark models.
 
-    python benchmarks/time_model.py [--models tutorial gpt resnet] [--random 8] [--repeat 9] [--seed 0] [--size quick]
+    python studies/time_model.py [--models tutorial gpt resnet] [--random 8] [--repeat 9] [--seed 0] [--size quick]
 
 Per model, the candidates are the fixed strategies of `benchmarks/run.py` and `--random` mixed plans
 (each block under a random one of no remat, `dots_saveable`, `dots_with_no_batch_dims_saveable`,
@@ -32,14 +32,15 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import UNIFORM, Ckpt, grad_step, strategy  # sets the CPU flag before JAX
+import benchmarks.common  # noqa: F401  (sets the CPU flag before JAX starts)
+from benchmarks.strategies import UNIFORM, Ckpt, grad_step, strategy
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.mixed_plans import mixed
+from studies.mixed_plans import mixed
 from benchmarks.run import FIXED, build
 
 POLICIES = ["none", "dots", "dots_nb", "full"]

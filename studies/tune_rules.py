@@ -1,14 +1,14 @@
 """Which rule should `tune=True` use to pick among the candidates it times, and over how many rounds?
 (issue 13: measured, not guessed.)
 
-    python benchmarks/tune_rules.py [--models gpt resnet] [--rounds 70] [--trials 400] [--random 4]
+    python studies/tune_rules.py [--models gpt resnet] [--rounds 70] [--trials 400] [--random 4]
                                     [--n 15 25 40] [--json PATH] [--load PATH] [--rules ...]
 
 For each model, the candidates are the fixed strategies of `benchmarks/run.py`, smartremat's default
 (fewest compiled FLOPs) plan at each of the quick benchmark's budgets, and `--random` mixed plans
 (a random policy per block; none for a lone block, `tutorial_block`). Each distinct program
-(`common.program_text`) is compiled once as the benchmark's training step and timed in `--rounds`
-interleaved rounds, each round in a fresh order (`smartremat._tune.round_orders`; the run of
+(`strategies.program_text`) is compiled once as the benchmark's training step and timed in `--rounds`
+interleaved rounds, each round in a fresh order (`smartremat.internal.round_orders`; the run of
 docs/results/tune_rules_cpu.json was rotated by one). Then, `--trials` times, the rounds are split
 at random: `--rounds - max(--n)` of them judge, and `n` others are what a rule sees (what
 `tune=True` would have measured). The rule picks one of the candidates that fit the budget
@@ -40,7 +40,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import benchmarks.common  # noqa: F401  (sets the CPU flag before JAX)
+import benchmarks.common  # noqa: F401  (sets the CPU flag before JAX starts)
 
 import argparse
 import functools
@@ -55,10 +55,10 @@ import jax
 import numpy as np
 
 import smartremat
-from benchmarks.common import exact, strategy
-from benchmarks.mixed_plans import mixed
+from benchmarks.strategies import exact, strategy
+from studies.mixed_plans import mixed
 from benchmarks.run import FIXED, MB, Timer, build, environment, time_all
-from benchmarks.time_model import spearman
+from studies.time_model import spearman
 
 POLICIES = [None, "dots", "dots_nb", "full"]
 #: The signed-rank rule's level.

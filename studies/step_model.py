@@ -1,7 +1,7 @@
 """`smartremat.filter_jit`'s model of a whole step against the compiler, on the real-model corpus
 (`tests/real/`, each model's own loss and gradient, as `tests/test_real.py` plans them).
 
-    python benchmarks/step_model.py [--models vit bert nanogpt] [--random 6] [--seed 0]
+    python studies/step_model.py [--models vit bert nanogpt] [--random 6] [--seed 0]
 
 Per model: the uniform plans (one menu entry on every block) and `--random` plans (a random entry
 per block; one per scan run), each compiled as the user's step, beside two predictions from the
@@ -10,7 +10,7 @@ same profiles and the same compile of the step without remat:
 - **constant**: the rest of the step (what follows the blocks, the loss, the update) as bytes alive
   beside every block, `peak(plan) + max(temp(none) - peak(none), 0)` (through f50784f);
 - **tail**: the rest of the step as a tail whose backward runs first, while every block's kept bytes
-  are alive (`_step_plan.with_tail`, docs/facts.md fact 16): what `filter_jit` predicts now.
+  are alive (`smartremat.internal.tail`, docs/facts.md fact 16): what `filter_jit` predicts now.
 """
 
 from __future__ import annotations
@@ -28,34 +28,30 @@ import benchmarks.common  # noqa: F401  (sets the CPU flag before JAX starts)
 import jax
 
 import smartremat
-from smartremat import _planner, _step_plan
-from smartremat._memory import Stage, peak_of
+from benchmarks.common import replaced
+from smartremat.internal import Stage, peak_of, tail, verified
 
 os.environ.setdefault("SMARTREMAT_DISK_CACHE", "0")  # every run measures, none reads an old plan
 MB = smartremat.MB
 
 
 def _captured(step, model, batch) -> dict:
-    """The joined model before and after `with_tail`, the compiled temp without remat, and the
+    """The joined model before and after `tail`, the compiled temp without remat, and the
     planner's own measure of a choice (the user's step, compiled), from planning at a budget
     every plan fits."""
     got: dict = {}
-    with_tail, verified = _step_plan.with_tail, _planner.verified
 
-    def tail(m, temp):
+    def tailed(m, temp):
         got["before"], got["temp"] = m, temp
-        got["after"] = with_tail(m, temp)
+        got["after"] = tail(m, temp)
         return got["after"]
 
-    def capture(m, config, measure, *a, **k):
-        got["measure"] = measure
-        return verified(m, config, measure, *a, **k)
+    def capture(m, config, target, *a, **k):
+        got["measure"] = lambda c: target.measure(target.runs(m, c), config, every_loss=False)
+        return verified(m, config, target, *a, **k)
 
-    _step_plan.with_tail, _planner.verified = tail, capture
-    try:
+    with replaced(tail, tailed), replaced(verified, capture):
         smartremat.filter_jit(step, budget_mb=1e6).plan(model, batch)
-    finally:
-        _step_plan.with_tail, _planner.verified = with_tail, verified
     return got
 
 

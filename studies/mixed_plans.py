@@ -2,7 +2,7 @@
 its first k, or its last k, blocks under one policy and the others without remat, k = 0 to all;
 the compiled training step's temp bytes beside smartremat's prediction of the same plan.
 
-    python benchmarks/mixed_plans.py [--model tutorial] [--policies dots full] [--random 12]
+    python studies/mixed_plans.py [--model tutorial] [--policies dots full] [--random 12]
 
 and `--random` plans with a random policy (or none) on each block, then the model error over all.
 
@@ -23,14 +23,15 @@ from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import UNIFORM, Ckpt, exact, figures  # sets the CPU flag before JAX starts
+import benchmarks.common  # noqa: F401  (sets the CPU flag before JAX starts)
+from benchmarks.strategies import UNIFORM, Ckpt, exact, figures
 
 import equinox as eqx
 import jax
 
 import smartremat
 from benchmarks.run import build
-from smartremat._memory import peak_of
+from smartremat.internal import peak_of
 
 MB = smartremat.MB
 MENU_NAME = {"dots": "dots_saveable", "dots_nb": "dots_with_no_batch_dims_saveable", "full": "nothing_saveable"}

@@ -1,19 +1,19 @@
 """Does `tune=True` rank its candidates as the benchmark would? (issue 13: where the two disagree.)
 
-    python benchmarks/tune_vs_bench.py [--model gpt] [--budget 295.39] [--rounds 40]
+    python studies/tune_vs_bench.py [--model gpt] [--budget 295.39] [--rounds 40]
 
 Plans `--model` (quick size) at `--budget` MB with `tune=True`, keeping the candidate steps it
 timed, then times each candidate three ways in `--rounds` interleaved rounds, each round in a
-fresh order (`smartremat._tune.round_orders`):
+fresh order (`smartremat.internal.round_orders`):
 
 - **synthetic**: the candidate's executable as `tune=True` runs it, on its synthetic inputs
-  (`smartremat._tune.synthetic`: small uniform floats for the parameters, zeros for integers);
+  (`smartremat.internal.synthetic`: small uniform floats for the parameters, zeros for integers);
 - **real**: the same executable on the benchmark's inputs (the model's own arrays, its input and
   its targets);
 - **real fl.** (where the step has integer inputs, such as tokens): the benchmark's floating
   arrays with `synthetic`'s zeros for the integers;
 - **bench**: for the uniform candidates and the tuned plan, the benchmark's own step
-  (`benchmarks.run.Timer`, a separate compile of `common.grad_step`).
+  (`benchmarks.run.Timer`, a separate compile of `strategies.grad_step`).
 
 Printed per candidate: `tune=True`'s own median (`Plan.timed`) and the three medians, each with the
 spread between the medians of the even and odd rounds (the noise of that column). Where the
@@ -27,7 +27,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import benchmarks.common  # noqa: F401  (sets the CPU flag before JAX)
+import benchmarks.common  # noqa: F401  (sets the CPU flag before JAX starts)
 
 import argparse
 import statistics
@@ -38,28 +38,24 @@ import jax
 import jax.numpy as jnp
 
 import smartremat
-import smartremat._planner as planner
-from benchmarks.common import exact, strategy, target_of
+from benchmarks.strategies import exact, strategy, target_of
 from benchmarks.run import MB, Timer, build, environment
-from smartremat._tune import _Run, round_orders, synthetic
+from benchmarks.common import replaced
+from smartremat.internal import TimedRun, round_orders, synthetic, timings
 
 
 def tuned_candidates(case: Any, budget_mb: float) -> tuple[smartremat.Plan, list, Any]:
     """`(plan, timed steps, wrapped model)`: the candidates `tune=True` timed, caught on their way
-    to `_tune.timings`."""
+    to `smartremat.internal.timings`."""
     caught: list = []
-    original = planner.timings
 
     def catch(steps: Any, *a: Any) -> Any:
         caught.extend(steps)
-        return original(steps, *a)
+        return timings(steps, *a)
 
-    planner.timings = catch
-    try:
+    with replaced(timings, catch):
         wrapped = smartremat.smartremat(budget_mb=budget_mb, tune=True, **exact(case.model, case.x))(case.model)
         plan = smartremat.explain(wrapped, case.x)
-    finally:
-        planner.timings = original
     return plan, caught, wrapped
 
 
@@ -101,13 +97,13 @@ def main(argv: list[str] | None = None) -> None:
     for k, (s, (temp, flops, median)) in enumerate(zip(steps, plan.timed)):
         exe = s.build()
         head = f"#{k} {temp / MB:7.2f} MB {flops / 1e9:7.3f} GFLOP tune {median * 1e3:7.1f} ms"
-        columns.append((f"{head} synthetic", Column(_Run(exe, synthetic(s.avals), s.donated).once)))
+        columns.append((f"{head} synthetic", Column(TimedRun(exe, synthetic(s.avals), s.donated).once)))
         real = real_inputs(case, s.avals)
-        columns.append((f"{head} real     ", Column(_Run(exe, real, s.donated).once)))
+        columns.append((f"{head} real     ", Column(TimedRun(exe, real, s.donated).once)))
         if any(not jnp.issubdtype(a.dtype, jnp.floating) for a in s.avals):
             mixed = tuple(r if jnp.issubdtype(a.dtype, jnp.floating) else z
                           for a, r, z in zip(s.avals, real, synthetic(s.avals)))
-            columns.append((f"{head} real fl. ", Column(_Run(exe, mixed, s.donated).once)))
+            columns.append((f"{head} real fl. ", Column(TimedRun(exe, mixed, s.donated).once)))
     for name in ["none", "full", "dots", "dots_nb"]:
         t = Timer(strategy(case.model, name, case.where), case.x)
         if t.temp <= args.budget * MB:

@@ -9,7 +9,7 @@ allocation and how many in the output buffers of weight gradients not written ye
 an approximation read off the dumps: every output allocation counts as a weight gradient's, a value
 as big as its allocation is taken for the output itself, and tuple-indexed values are left out.
 
-    python benchmarks/buffer_lending.py [--model tutorial] [--policy full] [--last]
+    python studies/buffer_lending.py [--model tutorial] [--policy full] [--last]
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import grad_step  # sets the CPU flag before JAX starts
+import benchmarks.common  # noqa: F401  (sets the CPU flag before JAX starts)
+from benchmarks.strategies import grad_step
 
 import jax
 
 import smartremat
-from benchmarks.mixed_plans import mixed
+from studies.mixed_plans import mixed
 from benchmarks.run import build
 
 MB = smartremat.MB

@@ -1,12 +1,12 @@
 """How far apart two compiles of one training step time, and whether `tune=True`'s synthetic inputs
 time like real ones (issue 13: the noise a timed choice has to beat).
 
-    python benchmarks/timing_noise.py [--models gpt resnet] [--compiles 4] [--rounds 30] [--copies]
+    python studies/timing_noise.py [--models gpt resnet] [--compiles 4] [--rounds 30] [--copies]
 
-For each model the quick benchmark's no-remat training step (`benchmarks.common.compile_step`) is
+For each model the quick benchmark's no-remat training step (`benchmarks.strategies.compile_step`) is
 compiled `--compiles` times; each compile runs on the benchmark's real inputs and on
-`smartremat._tune.synthetic` inputs of the same shapes (what `tune=True` times). All of them are
-warmed up twice and timed in `--rounds` interleaved rounds, each round in a fresh order (`smartremat._tune.round_orders`; runs before it was rotated by one). Printed: each one's median and minimum,
+`smartremat.internal.synthetic` inputs of the same shapes (what `tune=True` times). All of them are
+warmed up twice and timed in `--rounds` interleaved rounds, each round in a fresh order (`smartremat.internal.round_orders`; runs before it was rotated by one). Printed: each one's median and minimum,
 the spread of the medians (and of the minima) between compiles, as (max - min) / min, and the
 median ratio synthetic / real.
 """
@@ -17,7 +17,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import compile_step  # sets the CPU flag before JAX
+import benchmarks.common  # noqa: F401  (sets the CPU flag before JAX starts)
+from benchmarks.strategies import compile_step
 
 import argparse
 import statistics
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.run import build, environment
-from smartremat._tune import round_orders, synthetic
+from smartremat.internal import round_orders, synthetic
 
 
 def _inputs(params, x) -> tuple:

@@ -2,7 +2,7 @@
 then emptied, either before JAX's backend starts or after; an 8-layer remat MLP's compiled temp
 bytes show which flags its compile ran under (about 1 MB with the flag, 4.5 MB without).
 
-    python benchmarks/xla_flags.py
+    python studies/xla_flags.py
 
 Each case runs in its own process, since the flags are read once per process.
 """
