@@ -136,7 +136,7 @@ class Plan:
 
     def uniform(self) -> dict[str, tuple[float, int]]:
         """`{policy name: (predicted peak_mb, recompute_flops)}` of each policy on every block
-        (empty for a plan loaded from JSON, which keeps no profile)."""
+        (empty for a plan loaded from a file written before `Plan.save` kept the profile)."""
         out: dict[str, tuple[float, int]] = {}
         if not self.stages:
             return out

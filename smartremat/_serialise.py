@@ -42,7 +42,8 @@ def load_plan(source: str | os.PathLike | dict) -> Plan:
 
     **Returns:**
 
-    The plan, with its per-block figures and assignment; its frontier is not saved.
+    The plan, with its per-block figures, its assignment and the profile its `frontier()`, `uniform()`
+    and `plot()` read (a file written before `Plan.save` kept the profile has none).
     """
     where = "the dict given" if isinstance(source, dict) else repr(os.fspath(source))
     if isinstance(source, dict):
