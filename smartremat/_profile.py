@@ -179,7 +179,7 @@ def compiled_temp(fn: Callable, spec: CallSpec | tuple, options: dict | None = N
     return int(memory.temp_size_in_bytes), float((cost or {}).get("flops", 0.0))
 
 
-def _compiled_temps(jobs: Sequence[tuple[Callable, tuple]]) -> list[int]:
+def compiled_temps(jobs: Sequence[tuple[Callable, tuple]]) -> list[int]:
     """`compiled_temp` of each `(function, avals)` job, compiled in parallel threads with the
     options for block profiles (`_env.profiling_options`)."""
     options = profiling_options()
@@ -187,7 +187,7 @@ def _compiled_temps(jobs: Sequence[tuple[Callable, tuple]]) -> list[int]:
         return [t for t, _ in pool.map(lambda job: compiled_temp(job[0], job[1], options), jobs)]
 
 
-def _chainable(f: Callable, spec: CallSpec, n_module: int) -> int | None:
+def chainable(f: Callable, spec: CallSpec, n_module: int) -> int | None:
     """Index of the dynamic leaf that is args[0] if the output has exactly its type, else None."""
     if len(spec.dynamic) <= n_module or _first_arg_leaf(spec) != n_module:
         return None
@@ -235,7 +235,7 @@ def _at_the_end(profile: BlockProfile, spec: CallSpec, call: Callable) -> BlockP
     if not any(o.peak_bytes for o in profile.options):  # left alone: nothing measured
         return profile
     jobs = [(grad_step(o.option.profiled(spec, call), spec, _square_loss), spec.dynamic) for o in profile.options]
-    temps = _compiled_temps(jobs)
+    temps = compiled_temps(jobs)
     peaks = raised_peaks([o.saved_bytes for o in profile.options], [max(o.peak_bytes, o.saved_bytes) for o in profile.options],
                          [t - o.saved_bytes for o, t in zip(profile.options, temps)])
     options = tuple(dataclasses.replace(o, peak_bytes=pk) for o, pk in zip(profile.options, peaks))
@@ -249,7 +249,7 @@ def _profile_uncached(spec: CallSpec, call: Callable, menu: tuple, calibrate: bo
     except Exception as e:  # e.g. a `lax.while_loop` on floats: left alone, as it runs in the user's step
         return _left_alone(f_none, spec, f"it cannot be reverse-differentiated on its own ({_reason(e)})")
     raw, merged, skipped = _measure(spec, call, menu, base)
-    peaks, calibrated = _calibration(raw, spec, n_module_leaves(spec), calibrate)
+    peaks, calibrated = calibration(raw, spec, n_module_leaves(spec), calibrate)
     options = []
     for j, m in enumerate(raw):
         measured = calibrated[j] if calibrated is not None else None
@@ -308,7 +308,7 @@ def _transient(none: _Measured) -> int:
     return none.internal
 
 
-def _calibration(raw: list[_Measured], spec: CallSpec, n_module: int,
+def calibration(raw: list[_Measured], spec: CallSpec, n_module: int,
                  calibrate: bool) -> tuple[Sequence[int] | None, Sequence[int | None] | None]:
     """Ask the compiler for each option's own peak and kept bytes.
 
@@ -331,10 +331,10 @@ def _calibration(raw: list[_Measured], spec: CallSpec, n_module: int,
     if not calibrate:
         return None, None
     jobs = [(grad_step(m.f, spec), spec.dynamic) for m in raw]
-    chain_at = _chainable(raw[0].f, spec, n_module)
+    chain_at = chainable(raw[0].f, spec, n_module)
     if chain_at is not None:
-        jobs += [_chain_job([m.f] * k + [raw[0].f], spec, n_module, chain_at) for m in raw for k in (1, 2)]
-    temps = _compiled_temps(jobs)
+        jobs += [chain_job([m.f] * k + [raw[0].f], spec, n_module, chain_at) for m in raw for k in (1, 2)]
+    temps = compiled_temps(jobs)
     peaks = temps[: len(raw)]
     if chain_at is None:
         return peaks, [None] * len(raw)
@@ -354,7 +354,7 @@ def _between(saved: list[int], hidden: Sequence[int], peaks: Sequence[int], two_
     gradient buffers, takes off) copies without remat after it."""
     none = raw[0].f
     chains = [[none] * 4] + [c for j in hidden for c in ([none, raw[j].f, none], [none, raw[j].f] + [none] * 3)]
-    four, *temps = _compiled_temps([_chain_job(c, spec, n_module, chain_at) for c in chains])
+    four, *temps = compiled_temps([chain_job(c, spec, n_module, chain_at) for c in chains])
     first = two_none - peaks[0]  # what a copy without remat keeps while the next one peaks
     out = list(saved)
     for k, j in enumerate(hidden):
@@ -363,7 +363,7 @@ def _between(saved: list[int], hidden: Sequence[int], peaks: Sequence[int], two_
     return out
 
 
-def _chain_job(fs: Sequence[Callable], spec: CallSpec, n_module: int, chain_at: int) -> tuple[Callable, tuple]:
+def chain_job(fs: Sequence[Callable], spec: CallSpec, n_module: int, chain_at: int) -> tuple[Callable, tuple]:
     """Gradient step of the block's copies `fs` in a row, each with its own parameters."""
     n = len(spec.dynamic)
     avals = tuple(spec.dynamic) + tuple(spec.dynamic[:n_module]) * (len(fs) - 1)

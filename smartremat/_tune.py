@@ -117,7 +117,7 @@ def _time_steps(steps: Sequence[Timed], rounds: int | None) -> tuple[tuple[float
     inputs: dict[tuple, tuple] = {}  # one set of synthetic inputs per signature: candidates share it
     for s in steps:
         inputs.setdefault(_signature(s.avals), synthetic(s.avals))
-    runs = [_Run(e, inputs[_signature(s.avals)], s.donated) for e, s in zip(executables, steps)]
+    runs = [TimedRun(e, inputs[_signature(s.avals)], s.donated) for e, s in zip(executables, steps)]
     warm = [[r.once(), r.once()][1] for r in runs]  # warm-up
     rounds = rounds_for(statistics.median(warm)) if rounds is None else rounds
     times: list[list[float]] = [[] for _ in runs]
@@ -141,7 +141,7 @@ def _signature(avals: Sequence[jax.ShapeDtypeStruct]) -> tuple:
 
 
 @dataclass
-class _Run:
+class TimedRun:
     executable: Any
     args: tuple
     donated: tuple[int, ...]

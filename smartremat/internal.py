@@ -17,7 +17,7 @@ from ._tune import round_orders as round_orders
 # tune=True's synthetic inputs, one timed call, the timing of candidates: studies/timing_noise.py,
 # tune_vs_bench.py
 from ._tune import synthetic as synthetic
-from ._tune import _Run as TimedRun
+from ._tune import TimedRun as TimedRun
 from ._tune import timings as timings
 # the memory model's stages and the peak of a choice: planning_time.py, studies/mixed_plans.py,
 # step_model.py
@@ -32,10 +32,10 @@ from ._env import measuring_options as measuring_options
 from ._env import profiling_options as profiling_options
 # the compiles that profile a block and measure a step: planning_time.py, studies/kept_bytes.py
 from ._profile import compiled_temp as compiled_temp
-from ._profile import _compiled_temps as compiled_temps
-from ._profile import _calibration as calibration
-from ._profile import _chainable as chainable
-from ._profile import _chain_job as chain_job
+from ._profile import compiled_temps as compiled_temps
+from ._profile import calibration as calibration
+from ._profile import chainable as chainable
+from ._profile import chain_job as chain_job
 # the whole-step planner's tail and verification: studies/step_model.py
 from ._step_plan import tail as tail
 from ._planner import verified as verified

@@ -144,8 +144,8 @@ def test_block_profiles_compiled_with_profiling_options_give_the_measuring_figur
     from smartremat._env import measuring_options, profiling_options
 
     jobs = []
-    original = _profile._compiled_temps
-    monkeypatch.setattr(_profile, "_compiled_temps", lambda js: jobs.extend(js) or original(js))
+    original = _profile.compiled_temps
+    monkeypatch.setattr(_profile, "compiled_temps", lambda js: jobs.extend(js) or original(js))
     model, x = make()
     smartremat.clear_caches()
     smartremat.explain(sr(budget_mb=1e6, verify=False)(model), x)

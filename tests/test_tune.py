@@ -119,8 +119,8 @@ def test_each_candidate_is_timed_once_per_process(monkeypatch):
     smartremat.clear_caches()
     model, x = _stack()
     runs = []
-    once = _tune._Run.once
-    monkeypatch.setattr(_tune._Run, "once", lambda self: runs.append(self) or once(self))
+    once = _tune.TimedRun.once
+    monkeypatch.setattr(_tune.TimedRun, "once", lambda self: runs.append(self) or once(self))
     first = smartremat.explain(smartremat.smartremat(budget_mb=1.2, tune=True)(model), x)
     n = len(runs)
     rounds, rest = divmod(n, len(first.timed))  # every candidate alike: two warm-ups and its rounds
@@ -233,7 +233,7 @@ def test_shorter_steps_get_more_rounds_between_a_floor_and_a_cap(seconds, want):
 
 def test_the_rounds_follow_the_warm_steps_median_time(monkeypatch):
     """Steps of `TUNE_SECONDS / 64` each after warm-up are timed in 64 rounds, every one alike."""
-    monkeypatch.setattr(_tune._Run, "once", lambda self: _tune.TUNE_SECONDS / 64)
+    monkeypatch.setattr(_tune.TimedRun, "once", lambda self: _tune.TUNE_SECONDS / 64)
     aval = jax.ShapeDtypeStruct((2,), jnp.float32)
     steps = [_tune.Timed(("rounds follow the warm time", i), lambda: None, (aval,)) for i in range(3)]
     assert [len(t) for t in _tune.timings(steps)] == [64, 64, 64]
