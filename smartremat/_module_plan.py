@@ -90,11 +90,6 @@ def get_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Pla
     return planned(ModuleTarget(call, spec, module), config).plan
 
 
-def unplanned_text(reasons: tuple[str, ...]) -> str:
-    """For an error about a budget that is too low: the blocks remat could not reach, and why."""
-    return "".join(f" Note: {r}." for r in reasons)
-
-
 def infeasible(config: Config, spec: CallSpec, floor: int, kind: str, reasons: tuple[str, ...] = ()) -> ValueError:
     empty = no_policy_error(config.policies, config.budget_mb, floor)
     if empty is not None:
@@ -105,7 +100,7 @@ def infeasible(config: Config, spec: CallSpec, floor: int, kind: str, reasons: t
         f"`smartremat(budget_mb={config.budget_mb:g})` is below the lowest peak any remat plan "
         f"reaches for this module on inputs ({shapes}): {floor / MB:.3f} MB ({kind}). Raise "
         f"`budget_mb` to at least {up:.2f}, lower the batch size, or name finer blocks with "
-        "`blocks=` so that smaller pieces can be recomputed." + unplanned_text(reasons) + _unseen_sharding(spec)
+        "`blocks=` so that smaller pieces can be recomputed." + "".join(f" Note: {r}." for r in reasons) + _unseen_sharding(spec)
         + barrier_hint()
     )
 

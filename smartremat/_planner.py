@@ -80,13 +80,9 @@ def _stored_or_made(target: Target, config: Config) -> Planned:
         _log(target.name, plan)
         return Planned(plan, stored[1])
     made = make_plan(target, config)
-    _disk.store(None if untimed(config, made.plan) else text, made.plan, made.runs)
+    untimed = config.tune and not made.plan.timed  # `tune=True` could not time it (`_fastest`): not stored
+    _disk.store(None if untimed else text, made.plan, made.runs)
     return made
-
-
-def untimed(config: Config, plan: Plan) -> bool:
-    """Whether `tune=True` could not time this plan's candidates (`_fastest`): not to be stored."""
-    return config.tune and not plan.timed
 
 
 def make_plan(target: Target, config: Config) -> Planned:

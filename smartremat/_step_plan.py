@@ -96,7 +96,8 @@ class StepTarget:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def notes(self, model: MemoryModel) -> tuple[str, ...]:
-        hidden = any(shardings_hidden(c.spec) for c in self.calls) and any(_sharded(a) for a in self.sig.avals)
+        sharded = any(len(getattr(a.sharding, "device_set", ())) > 1 for a in self.sig.avals)
+        hidden = sharded and any(shardings_hidden(c.spec) for c in self.calls)
         return (HIDDEN_NOTE,) if hidden else ()
 
 
@@ -164,11 +165,6 @@ HIDDEN_NOTE = (
     "the step's arguments are sharded over several devices, but inside `jit` JAX hides the shardings "
     "of the module's values (a mesh with Auto axes): smartremat's predicted figures count one device "
     "doing all the work, while the compiled figures, which chose this plan, are per device")
-
-
-def _sharded(aval: jax.ShapeDtypeStruct) -> bool:
-    sharding = getattr(aval, "sharding", None)
-    return sharding is not None and len(sharding.device_set) > 1
 
 
 def _no_saving(floor: int, plain: int) -> tuple[str, ...]:
