@@ -12,7 +12,7 @@ from ._decorator import checked_budget_mb, config_of, loaded_plan, make_config
 from ._plan import Plan
 from ._env import MB
 from ._spec import make_spec, vmapped_spec
-from ._filter_jit import BoundStep, PlannedStep
+from ._filter_jit import PlannedStep
 
 
 def explain(
@@ -41,7 +41,7 @@ def explain(
     The same `Plan` value the decorator uses for this signature: `print(plan)` shows a table,
     `plan.to_dict()` is JSON-serialisable.
     """
-    if isinstance(model, (PlannedStep, BoundStep)):
+    if isinstance(model, PlannedStep):
         if budget_mb is not None or vmap:
             raise ValueError(
                 "`explain(model=...)` got a step made by `smartremat.filter_jit`, whose plan is for its "
@@ -67,10 +67,8 @@ def explain(
         if budget_mb is not None:  # what would be planned for this budget, a saved plan set aside
             mb = checked_budget_mb(budget_mb, "explain(budget_mb=...)")
             config = dataclasses.replace(config, budget_bytes=int(mb * MB), budget_mb=mb, plan=None)
-    if vmap is False or vmap is None:
-        spec = make_spec(module, args, kwargs)
-    else:
-        spec = vmapped_spec(module, args, kwargs, None if vmap is True else vmap)
+    spec = (make_spec(module, args, kwargs) if vmap is False or vmap is None
+            else vmapped_spec(module, args, kwargs, None if vmap is True else vmap))
     if config.plan is not None:  # the model runs the saved plan it was given: that is what to explain
         return loaded_plan(config.plan, call, spec)
     return get_plan(call, spec, module, config)

@@ -1,10 +1,10 @@
 """A block's option: what smartremat may do with the block's call.
 
-One small abstract type, `Option`, with four kinds: `NoRemat` (the block left alone), `Policy` (the
-block's call under `jax.checkpoint` with one policy), `Nested` (the block left alone, its sub-blocks
-under their own options) and `Segments` (consecutive pieces of a scanned block under different
-options). Options are values: equal options compare and hash equal (so caches keyed on them hit),
-and two options are told apart by what they do, never by their display `name`.
+`Option` has four kinds: `NoRemat` (the block left alone), `Policy` (its call under `jax.checkpoint`
+with one policy), `Nested` (the block left alone, its sub-blocks under their own options) and
+`Segments` (consecutive pieces of a scanned block under different options). Options are values:
+equal options compare and hash equal (so caches keyed on them hit), told apart by what they do,
+never by their display `name`.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ class Option(abc.ABC):
     @abc.abstractmethod
     def name(self) -> str: ...
 
-    @abc.abstractmethod
     def to_json(self) -> Any:
         """This option as JSON (names, paths as lists); `from_json` reads it back."""
+        return self.name
 
     def apply(self, call: Callable) -> Callable:
         """`call(module, *args, **kwargs)` run under this option (same signature)."""
@@ -70,9 +70,6 @@ class NoRemat(Option):
     @property
     def name(self) -> str:
         return "none"
-
-    def to_json(self) -> Any:
-        return self.name
 
 
 #: The one no-remat option (all `NoRemat()` are equal).
@@ -114,9 +111,6 @@ class Policy(Option):
     def profiled(self, spec: CallSpec, call: Callable) -> Callable:
         return spec.function(call, lambda f: jax.checkpoint(f, policy=self.jax_policy))
 
-    def to_json(self) -> Any:
-        return self.name
-
 
 def _policy_error(policy: Policy, e: Exception, prim: Any, avals: tuple) -> str:
     shapes = ", ".join(str(getattr(a, "str_short", lambda: a)()) for a in avals)
@@ -150,7 +144,7 @@ class Nested(Option):
         return tuple(e for child, o in self.children for e in o.expand(path + child))
 
     def to_json(self) -> Any:
-        return {"nested": [[[list(step) for step in path], o.to_json()] for path, o in self.children]}
+        return {"nested": assignment_to_json(self.children)}
 
 
 @dataclass(frozen=True)
@@ -211,22 +205,19 @@ def run(module: Any, call: Callable, assignment: Assignment, args: tuple, kwargs
         tags: dict[Path, str] | None = None) -> Any:
     """Call `call(module, *args, **kwargs)` with each `(path, option)` of `assignment` applied.
 
-    No remat leaves that block alone; the empty path means the module's own call. A `Segments`
-    option (a scanned block with different options on pieces of its scan) splits that scan; a
-    nested option stands for its sub-blocks' entries (`Option.expand`). The module tree is never
-    rewritten: the planned sub-modules' calls are routed through their options as they happen
-    (`_intercept.routing`), so the forward sees its own sub-modules. `tags` names the calls of
-    some paths (`jax.named_scope`) so that their equations can be found in the traced program.
+    The empty path is the module's own call. A `Segments` option splits that scan; a nested option
+    stands for its sub-blocks' entries (`Option.expand`). The module tree is never rewritten: the
+    planned sub-modules' calls are routed through their options as they happen
+    (`_intercept.routing`). `tags` names the calls of some paths (`jax.named_scope`) so that their
+    equations can be found in the traced program.
     """
     if any(len(option.variants) > 1 for _, option in assignment):
         return run_pieces(module, call, assignment, args, kwargs, run)
     assignment = expand(tuple((p, option.variants[0]) for p, option in assignment))
-    own = [option for path, option in assignment if path == ()]
     tags = tags or {}
     entries: dict[Path, Option] = {p: option for p, option in assignment if p != () and option != NO_REMAT}
     entries.update({p: entries.get(p, NO_REMAT) for p in tags})
-    if own:
-        call = own[0].apply(call)
+    call = next((option.apply(call) for path, option in assignment if path == ()), call)
     if not entries:
         return call(module, *args, **kwargs)
     paths = list(entries)

@@ -45,10 +45,9 @@ def load_plan(source: str | os.PathLike | dict) -> Plan:
     The plan, with its per-block figures, its assignment and the profile its `frontier()`, `uniform()`
     and `plot()` read (a file written before `Plan.save` kept the profile has none).
     """
-    where = "the dict given" if isinstance(source, dict) else repr(os.fspath(source))
-    if isinstance(source, dict):
-        data = source
-    else:
+    where, data = "the dict given", source
+    if not isinstance(source, dict):
+        where = repr(os.fspath(source))
         try:
             with open(source) as f:
                 data = json.load(f)
@@ -82,14 +81,14 @@ class PlanFileError(ValueError):
 
 
 def _plan_of(data: dict) -> Plan:
+    mb = lambda key: round(data[key] * MB)
     return Plan(
-        budget_bytes=round(data["budget_mb"] * MB), predicted_peak_bytes=round(data["predicted_peak_mb"] * MB),
-        no_remat_peak_bytes=round(data["no_remat_peak_mb"] * MB),
-        full_remat_peak_bytes=round(data["full_remat_peak_mb"] * MB), min_peak_bytes=round(data["min_peak_mb"] * MB),
-        recompute_flops=data["recompute_flops"], forward_flops=data["forward_flops"],
+        budget_bytes=mb("budget_mb"), predicted_peak_bytes=mb("predicted_peak_mb"),
+        no_remat_peak_bytes=mb("no_remat_peak_mb"), full_remat_peak_bytes=mb("full_remat_peak_mb"),
+        min_peak_bytes=mb("min_peak_mb"), recompute_flops=data["recompute_flops"], forward_flops=data["forward_flops"],
         blocks=tuple(_block(b) for b in data["blocks"]),
-        compiled_peak_bytes=None if data["compiled_peak_mb"] is None else round(data["compiled_peak_mb"] * MB),
-        compiled_flops=data["compiled_flops"], fixed_bytes=round(data["fixed_mb"] * MB),
+        compiled_peak_bytes=None if data["compiled_peak_mb"] is None else mb("compiled_peak_mb"),
+        compiled_flops=data["compiled_flops"], fixed_bytes=mb("fixed_mb"),
         planning_seconds=data["planning_s"], compiles=data.get("compiles", 0),
         checked=tuple((round(p * MB), round(c * MB)) for p, c in data.get("checked_mb", [])),
         timed=tuple((round(t * MB), float(f), float(s)) for t, f, s in data.get("timed", [])),
@@ -107,16 +106,11 @@ def _block(b: dict) -> PlanBlock:
     return PlanBlock(str(b["path"]), str(b["type"]), int(b["calls"]), str(b["policy"]), options)
 
 
-def _rows_of(assignment: tuple) -> dict[str, str]:
-    """`{row label: option name}` that the assignment (what runs) implies, labelled as the
-    planner labels its rows: one per block, one per piece of a split scan."""
-    return {label: q.name for path, option in assignment for label, _, q in option.rows(path_str(path))}
-
-
 def _check_rows(plan: Plan, where: str) -> None:
     """Refuse a file whose printed rows (`blocks`) disagree with its `assignment` (what runs),
-    e.g. a `policy` edited by hand in one place only: what is shown must be what runs."""
-    rows = _rows_of(plan.assignment)
+    e.g. a `policy` edited by hand in one place only: what is shown must be what runs. `rows` are
+    `{row label: option name}` as the planner labels them (one per block, one per scan piece)."""
+    rows = {label: q.name for path, option in plan.assignment for label, _, q in option.rows(path_str(path))}
     claimed: set[str] = set()
     for b in plan.blocks:
         if not any(o.name == b.policy or b.policy in o.merged for o in b.options):
@@ -155,10 +149,9 @@ def _children(assignment: tuple, label: str) -> dict[str, tuple]:
     reads `label` (the sub-blocks a nested option checkpoints; a split scan is never one)."""
     out = {}
     for path, option in assignment:
-        for k in range(len(path)):
-            if path_str(path[:k]) == label and len(option.variants) == 1:
-                out[path_str(path)] = (path[k:], option)
-                break
+        k = next((k for k in range(len(path)) if path_str(path[:k]) == label), None)
+        if k is not None and len(option.variants) == 1:
+            out[path_str(path)] = (path[k:], option)
     return out
 
 

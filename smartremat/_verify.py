@@ -3,9 +3,8 @@
 The decorator cannot see the user's loss (it runs inside it), so it compiles the gradient of the
 module's parameters under losses users write and keeps the largest figure: the squared error and
 the softmax cross-entropy (soft targets and integer labels) of every floating output, against
-targets that are inputs of the step.
-A constant cotangent (`jnp.sum(out)` as the loss) lets XLA simplify the backward, so it is never
-used here. With `smartremat(loss=...)` the user's own loss is the only one compiled.
+targets that are inputs of the step (never `jnp.sum(out)`: a constant cotangent lets XLA simplify
+the backward). With `smartremat(loss=...)` the user's own loss is the only one compiled.
 """
 
 from __future__ import annotations
@@ -88,8 +87,7 @@ def abstract_args(given: Any) -> tuple:
     leaves, treedef = jax.tree.flatten(given)
 
     def struct(a: Any) -> jax.ShapeDtypeStruct:
-        sharding = getattr(a, "sharding", None)
-        return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), sharding=sharding,
+        return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), sharding=getattr(a, "sharding", None),
                                     weak_type=getattr(a, "weak_type", False))
 
     return treedef, tuple(struct(a) for a in leaves)
@@ -97,11 +95,8 @@ def abstract_args(given: Any) -> tuple:
 
 @dataclass(frozen=True)
 class UserLoss:
-    """`smartremat(loss=fn, loss_args=...)`: `fn(output, *loss_args)` is the user's loss.
-
-    `args` is `abstract_args(...)` of the extra arguments, or a function from the output's
-    shapes to them (when they depend on the batch).
-    """
+    """`smartremat(loss=fn, loss_args=...)`: `fn(output, *loss_args)` is the user's loss. `args` is
+    `abstract_args(...)` of the extra arguments, or a function from the output's shapes to them."""
 
     fn: Callable[..., jax.Array]
     args: Any = ()
@@ -143,8 +138,8 @@ def compiled_one(call: Callable, spec: CallSpec, assignment: Assignment, loss: A
                  options: dict | None = None) -> tuple[int, float]:
     """`(temp bytes, flops)` of the training step under `assignment` and one loss, compiled with
     XLA `options` (`_env.measuring_options()` by default: the figures of the step that runs)."""
-    key = (spec.key(), call, assignment_key(assignment), loss, _options_key(options), *environment_key())
-
+    options_key = None if options is None else tuple(sorted(options.items()))
+    key = (spec.key(), call, assignment_key(assignment), loss, options_key, *environment_key())
     return _CACHE.get(key, lambda: compiled_temp(*loss_step(_planned(call, spec, assignment), spec, loss), options))
 
 
@@ -163,10 +158,6 @@ def timed_step(call: Callable, spec: CallSpec, assignment: Assignment, loss: Any
             return jax.jit(step).lower(*avals).compile()
 
     return Timed((spec.key(), call, assignment_key(assignment), loss, *environment_key()), executable, avals)
-
-
-def _options_key(options: dict | None) -> tuple | None:
-    return None if options is None else tuple(sorted(options.items()))
 
 
 def assignment_key(assignment: Assignment) -> tuple:
