@@ -108,10 +108,10 @@ def clear_caches() -> None:
     smartremat caches what it measures (by module code, input signature, configuration, backend
     and `XLA_FLAGS`), each cache its most recently used entries only; call this to free the memory
     they hold, or to plan again from scratch (e.g. to time planning), as `equinox.clear_caches()`
-    does for Equinox's compiled functions. The next trace of a decorated model, or the next call of a `smartremat.filter_jit` step, plans
-    again; a function JAX has already compiled keeps the plan it was traced with. A `Plan` given
-    with `smartremat(plan=...)` is not a cache and stays. JAX's and Equinox's own caches are left
-    alone (`jax.clear_caches()` and `equinox.clear_caches()` clear those).
+    does for Equinox's compiled functions. The next trace of a decorated model, or the next call of
+    a `smartremat.filter_jit` step, plans again; a function JAX has already compiled keeps the plan
+    it was traced with. A `Plan` given with `smartremat(plan=...)` is not a cache and stays. JAX's
+    and Equinox's own caches are left alone (`jax.clear_caches()` and `equinox.clear_caches()`).
 
     **Arguments:** none.
 

@@ -48,8 +48,7 @@ def checked_budget_mb(budget_mb: Any, name: str = "smartremat(budget_mb=...)") -
         raise ValueError(
             f"`{name}` should be a positive, finite number of megabytes (2**20 bytes), not "
             f"{budget_mb!r}. It caps the peak activation memory of one forward+backward through "
-            "the module; e.g. `budget_mb=512`."
-        )
+            "the module; e.g. `budget_mb=512`.")
     return value
 
 
@@ -61,20 +60,17 @@ def make_config(budget_mb: Any, *, policies: Sequence[Any] | None = None, blocks
     if blocks is not None and not callable(blocks):
         raise TypeError(
             f"`{name}(blocks=...)` should be a function from the module to a sub-module or a "
-            f"sequence of them (as in `eqx.tree_at`), not {blocks!r}; e.g. `blocks=lambda m: m.layers`."
-        )
+            f"sequence of them (as in `eqx.tree_at`), not {blocks!r}; e.g. `blocks=lambda m: m.layers`.")
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(
             f"`{name}(plan=...)` should be a `smartremat.Plan` (e.g. from `smartremat.load_plan(path)`), "
-            f"not {type(plan).__name__}. Load a saved plan with `load_plan` first."
-        )
+            f"not {type(plan).__name__}. Load a saved plan with `load_plan` first.")
     if isinstance(scan_segments, (bool, np.bool_)) or not isinstance(scan_segments, numbers.Integral) \
             or scan_segments < 1:
         raise ValueError(
             f"`{name}(scan_segments=...)` should be a positive int (how many pieces, each with "
             f"its own policy, a scanned block's scan may be split into), not {scan_segments!r}; "
-            "e.g. `scan_segments=1` keeps every scan whole."
-        )
+            "e.g. `scan_segments=1` keeps every scan whole.")
     if tune and plan is not None:
         raise ValueError(
             f"`{name}(tune=True, plan=...)`: a saved plan runs as saved, so there is nothing to tune. "
@@ -103,8 +99,7 @@ def _check_plan_budget(plan: Plan, budget_mb: float, name: str) -> None:
         f"`{name}(budget_mb={budget_mb:g}, plan=...)`: the saved plan runs as it was saved, and its peak "
         f"is {peak / MB:.3f} MB ({kind}; it was made for budget_mb={plan.budget_bytes / MB:g}), above "
         f"the budget. Raise `budget_mb` to at least {up:.2f} to run this plan, or plan again for "
-        f"{budget_mb:g} MB (leave `plan=None`) and save that plan."
-    )
+        f"{budget_mb:g} MB (leave `plan=None`) and save that plan.")
 
 
 def _losses(loss: Callable | None, loss_args: Any, name: str) -> tuple:
@@ -113,8 +108,7 @@ def _losses(loss: Callable | None, loss_args: Any, name: str) -> tuple:
         if not (loss_args is None or isinstance(loss_args, (tuple, list)) and not loss_args):
             raise ValueError(
                 f"`{name}(loss_args=...)` was given without `loss=`: they are the extra arguments of "
-                "your loss, `loss(output, *loss_args)`. Pass `loss=` too, or drop `loss_args`."
-            )
+                "your loss, `loss(output, *loss_args)`. Pass `loss=` too, or drop `loss_args`.")
         return DEFAULT_LOSSES
     if not callable(loss):
         raise TypeError(
@@ -129,8 +123,7 @@ def _losses(loss: Callable | None, loss_args: Any, name: str) -> tuple:
             raise TypeError(
                 f"`{name}(loss_args=...)` should be arrays or `jax.ShapeDtypeStruct`s (the extra "
                 f"arguments of `loss(output, *loss_args)`, e.g. the targets), or a function from the "
-                f"output's shapes to them; got {loss_args!r:.80} ({e})."
-            ) from e
+                f"output's shapes to them; got {loss_args!r:.80} ({e}).") from e
     return (UserLoss(loss, loss_args),)
 
 
@@ -141,7 +134,7 @@ def planned_call(module: Any, call: Callable, config: Config, args: tuple, kwarg
     if _intercept.in_root_call() or not _jax_private.differentiated(jax.tree.leaves((module, args, kwargs))):
         return call(module, *args, **kwargs)
     spec = make_spec(module, args, kwargs)
-    plan = get_plan(call, spec, module, config) if config.plan is None else loaded_plan(config.plan, call, spec)
+    plan = loaded_plan(config.plan, call, spec) if config.plan else get_plan(call, spec, module, config)
     return _options.run(module, call, plan.assignment, args, kwargs)
 
 
@@ -151,8 +144,7 @@ def loaded_plan(plan: Plan, call: Callable, spec: Any) -> Plan:
         raise ValueError(
             "`smartremat(plan=...)` was made for a different module or input signature (shapes, "
             "dtypes, batch, backend) than this call. Plan again (leave `plan=None`), or load the "
-            "plan saved for these inputs."
-        )
+            "plan saved for these inputs.")
     return plan
 
 
@@ -173,8 +165,7 @@ def _decorate_class(cls: type, config: Config) -> type:
     if "__smartremat__" in cls.__dict__:
         raise TypeError(
             f"`smartremat(...)` was applied twice to the class {cls.__name__!r}. Decorate it "
-            "once, with the budget you want."
-        )
+            "once, with the budget you want.")
     original = cls.__call__
 
     @functools.wraps(original)
@@ -186,20 +177,11 @@ def _decorate_class(cls: type, config: Config) -> type:
     return cls
 
 
-def smartremat(
-    budget_mb: float,
-    *,
-    policies: Sequence[Callable[..., bool] | None] | None = None,
-    blocks: Callable[[Any], Any] | None = None,
-    calibrate: bool = True,
-    verify: bool = True,
-    plan: Plan | None = None,
-    scan_segments: int = 2,
-    nested: bool = True,
-    loss: Callable[..., Any] | None = None,
-    loss_args: Any = (),
-    tune: bool = False,
-) -> Callable[[Any], Any]:
+def smartremat(budget_mb: float, *, policies: Sequence[Callable[..., bool] | None] | None = None,
+               blocks: Callable[[Any], Any] | None = None, calibrate: bool = True, verify: bool = True,
+               plan: Plan | None = None, scan_segments: int = 2, nested: bool = True,
+               loss: Callable[..., Any] | None = None, loss_args: Any = (),
+               tune: bool = False) -> Callable[[Any], Any]:
     """Choose and apply gradient checkpointing so one forward+backward fits `budget_mb`.
 
     **Arguments:**
@@ -265,8 +247,7 @@ def smartremat(
                 raise TypeError(
                     f"`smartremat(...)` decorates `eqx.Module` subclasses or instances, not the "
                     f"class {target.__name__!r}. Make it inherit from `equinox.Module`, or wrap a "
-                    "module instance: `smartremat(budget_mb=...)(model)`."
-                )
+                    "module instance: `smartremat(budget_mb=...)(model)`.")
             return _decorate_class(target, config)
         if isinstance(target, eqx.Module) and callable(target):
             _refuse_planned(target)
@@ -274,8 +255,7 @@ def smartremat(
         raise TypeError(
             f"`smartremat(...)` should be applied to an `eqx.Module` subclass or a callable "
             f"module instance, not {type(target).__name__} {target!r:.60}. For a plain function, "
-            "put it in a Module's `__call__`."
-        )
+            "put it in a Module's `__call__`.")
 
     return decorate
 
@@ -287,16 +267,14 @@ def _refuse_planned(target: Any) -> None:
             f"`smartremat(...)` was applied to a `SmartRemat`, a module already wrapped by "
             f"`smartremat(budget_mb={target.config.budget_mb:g})` (around a {type(target.module).__name__}); "
             "wrapping it again would plan twice. Wrap the inner module once with the budget you want: "
-            "`smartremat(budget_mb=...)(wrapped.module)`."
-        )
+            "`smartremat(budget_mb=...)(wrapped.module)`.")
     found = getattr(type(target), "__smartremat__", None)
     if found is not None:
         raise TypeError(
             f"`smartremat(...)` was applied to an instance of {type(target).__name__!r}, whose class is "
             f"already decorated with `@smartremat(budget_mb={found[0].budget_mb:g})`, so it plans its own "
             "calls; wrapping it would plan twice. Call the instance as it is (or pass "
-            "`budget_mb=` to `smartremat.explain`), or change the budget on the class decorator."
-        )
+            "`budget_mb=` to `smartremat.explain`), or change the budget on the class decorator.")
 
 
 def config_of(model: Any) -> tuple[Config, Callable, Any] | None:

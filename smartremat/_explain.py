@@ -15,9 +15,8 @@ from ._spec import make_spec, vmapped_spec
 from ._filter_jit import PlannedStep
 
 
-def explain(
-    model: Any, *args: Any, budget_mb: float | None = None, vmap: bool | str = False, **kwargs: Any
-) -> Plan:
+def explain(model: Any, *args: Any, budget_mb: float | None = None, vmap: bool | str = False,
+            **kwargs: Any) -> Plan:
     """The `Plan` smartremat makes for `model(*args, **kwargs)`: what it chose, and why.
 
     **Arguments:**
@@ -53,13 +52,11 @@ def explain(
         if not isinstance(model, eqx.Module):
             raise TypeError(
                 f"`explain(model=...)` should be an `eqx.Module`, not {type(model).__name__}. "
-                "Pass the module instance you would call."
-            )
+                "Pass the module instance you would call.")
         if budget_mb is None:
             raise ValueError(
                 f"`explain(model=...)` got a plain {type(model).__name__}, which carries no budget: "
-                "pass `budget_mb=...`, or decorate the class with `@smartremat(budget_mb=...)`."
-            )
+                "pass `budget_mb=...`, or decorate the class with `@smartremat(budget_mb=...)`.")
         config = make_config(budget_mb, name="explain")
         call, module = type(model).__call__, model
     else:

@@ -152,8 +152,8 @@ def filter_jit(fun: Callable | None = None, *, budget_mb: float | Literal["auto"
     config = make_config(1.0 if auto else budget_mb, policies=policies, calibrate=calibrate,
                          scan_segments=scan_segments, nested=nested, tune=tune, name=name)
     if donate not in get_args(Donate):
-        raise ValueError(f"`{name}(donate=...)` should be one of {', '.join(map(repr, get_args(Donate)))} (as for "
-                         f"`eqx.filter_jit`), not {donate!r}.")
+        raise ValueError(f"`{name}(donate=...)` should be one of {', '.join(map(repr, get_args(Donate)))} "
+                         f"(as for `eqx.filter_jit`), not {donate!r}.")
     options = StepOptions(auto, donate)
     make = lambda f: PlannedStep(_check_fun(f, name), config, options)
     return make if fun is None else make(fun)

@@ -67,16 +67,14 @@ def in_place(model: MemoryModel, call: Callable, spec: CallSpec, loss: Any) -> M
     input's type) under each option raised by what follows it; `model` itself where that does not
     apply: no such block after another, a scanned block, a block whose outputs the loss is taken
     on (its profile has a real loss), or one also called elsewhere."""
-    stages, calls = model.stages, model.calls
-    known: dict[tuple, bool] = {}  # one abstract trace per distinct block
-    for c in calls:
-        if c.path != () and c.spec.key() not in known:
-            known[c.spec.key()] = _skippable(c.spec)
+    calls = model.calls
+    known = {c.spec.key(): c.spec for c in calls if c.path != ()}  # one abstract trace per distinct block
+    known = {key: _skippable(s) for key, s in known.items()}
     chain = [c.path != () and known[c.spec.key()] for c in calls]
     k = max((i for i, ci in enumerate(model.owner) if chain[ci]), default=0)
     last = model.owner[k]
     shared = any(calls[ci].path == calls[last].path for ci in model.owner if ci != last)
-    if k == 0 or any(st.run is not None for st in stages) or calls[last].ends or shared:
+    if k == 0 or any(st.run is not None for st in model.stages) or calls[last].ends or shared:
         return model
     others, kept = [], 0
     for i, ci in enumerate(model.owner):

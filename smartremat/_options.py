@@ -78,12 +78,10 @@ NO_REMAT = NoRemat()
 
 @dataclass(frozen=True)
 class Policy(Option):
-    """The block's call under `jax.checkpoint(policy=fn)`, shown as `label` (unique in its menu).
-
-    A user's policy is `checked`: JAX calls this option, and an exception the policy raises
-    becomes a `PolicyError` naming it and the argument it came from (`argument`). One of JAX's
-    own policies is handed to JAX as it is (JAX may recognise it by type).
-    """
+    """The block's call under `jax.checkpoint(policy=fn)`, shown as `label` (unique in its menu). A
+    user's policy is `checked`: JAX calls this option, and an exception the policy raises becomes a
+    `PolicyError` naming it and `argument`. JAX's own policies go to JAX as they are (it may
+    recognise them by type)."""
 
     fn: Callable[..., Any]
     label: str
@@ -103,25 +101,20 @@ class Policy(Option):
         try:
             return self.fn(prim, *avals, **params)
         except Exception as e:
-            raise PolicyError(_policy_error(self, e, prim, avals)) from e
+            shapes = ", ".join(str(getattr(a, "str_short", lambda: a)()) for a in avals)
+            raise PolicyError(
+                f"`{self.argument}(policies=...)` holds the policy {self.name!r} ({self.fn!r:.80}), which "
+                f"raised {type(e).__name__}: {e} when JAX called it as `policy({prim}, {shapes}, **params)`. "
+                "A `jax.checkpoint` policy is called with each primitive of the block, its input avals "
+                "and its parameters, and returns whether to save that primitive's output (True) or "
+                "recompute it (False), e.g. `lambda prim, *avals, **params: prim is jax.lax.dot_general_p`. "
+                "Fix the policy, or remove it from `policies=`.") from e
 
     def apply(self, call: Callable) -> Callable:
         return eqx.filter_checkpoint(call, policy=self.jax_policy)
 
     def profiled(self, spec: CallSpec, call: Callable) -> Callable:
         return spec.function(call, lambda f: jax.checkpoint(f, policy=self.jax_policy))
-
-
-def _policy_error(policy: Policy, e: Exception, prim: Any, avals: tuple) -> str:
-    shapes = ", ".join(str(getattr(a, "str_short", lambda: a)()) for a in avals)
-    return (
-        f"`{policy.argument}(policies=...)` holds the policy {policy.name!r} ({policy.fn!r:.80}), which "
-        f"raised {type(e).__name__}: {e} when JAX called it as `policy({prim}, {shapes}, **params)`. "
-        "A `jax.checkpoint` policy is called with each primitive of the block, its input avals "
-        "and its parameters, and returns whether to save that primitive's output (True) or "
-        "recompute it (False), e.g. `lambda prim, *avals, **params: prim is jax.lax.dot_general_p`. "
-        "Fix the policy, or remove it from `policies=`."
-    )
 
 
 @dataclass(frozen=True)

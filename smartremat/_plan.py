@@ -94,11 +94,12 @@ class Plan:
         return {
             "budget_mb": self.budget_bytes / MB, "predicted_peak_mb": self.predicted_peak_bytes / MB,
             "compiled_peak_mb": None if self.compiled_peak_bytes is None else self.compiled_peak_bytes / MB,
-            "no_remat_peak_mb": self.no_remat_peak_bytes / MB, "full_remat_peak_mb": self.full_remat_peak_bytes / MB,
+            "no_remat_peak_mb": self.no_remat_peak_bytes / MB,
+            "full_remat_peak_mb": self.full_remat_peak_bytes / MB,
             "min_peak_mb": self.min_peak_bytes / MB, "fixed_mb": self.fixed_bytes / MB,
             "recompute_flops": self.recompute_flops, "forward_flops": self.forward_flops,
-            "compiled_flops": self.compiled_flops, "planning_s": self.planning_seconds, "compiles": self.compiles,
-            "checked_mb": [[p / MB, c / MB] for p, c in self.checked],
+            "compiled_flops": self.compiled_flops, "planning_s": self.planning_seconds,
+            "compiles": self.compiles, "checked_mb": [[p / MB, c / MB] for p, c in self.checked],
             "timed": [[t / MB, f, s] for t, f, s in self.timed],
             "backend": self.backend, "notes": list(self.notes), "blocks": [b.to_dict() for b in self.blocks],
         }
@@ -121,8 +122,7 @@ class Plan:
             raise ValueError(
                 "This plan was loaded from JSON (`smartremat.load_plan`) without the profile the frontier needs "
                 "(its 'stages': a file written before `Plan.save` kept them). Call `smartremat.explain(model, *args)` "
-                "to plan again and get the frontier, and save that plan."
-            )
+                "to plan again and get the frontier, and save that plan.")
         return [((s.peak + self.fixed_bytes) / MB, s.cost) for s in frontier(self.stages)]
 
     def uniform(self) -> dict[str, tuple[float, int]]:
@@ -157,8 +157,7 @@ def plan_data(plan: Plan) -> dict:
 
 
 def _group(blocks: tuple[PlanBlock, ...]) -> list[tuple[str, PlanBlock, int]]:
-    """Consecutive blocks whose rows read the same (type, policy, figures shown; own peaks, which the
-    table does not show, may differ) as `path[a:b]  Type xN`."""
+    """Consecutive blocks whose rows read the same (`_shown`) as `path[a:b]  Type xN`."""
     out = []
     for _, run in itertools.groupby(blocks, key=_shown):
         first, *rest = run
@@ -167,7 +166,9 @@ def _group(blocks: tuple[PlanBlock, ...]) -> list[tuple[str, PlanBlock, int]]:
 
 
 def _shown(b: PlanBlock) -> tuple:
-    return (b.type, b.policy, b.calls, tuple((o.name, o.saved_bytes, o.recompute_flops, o.merged) for o in b.options))
+    """What a block's row shows (its own peaks, not shown, may differ)."""
+    figures = tuple((o.name, o.saved_bytes, o.recompute_flops, o.merged) for o in b.options)
+    return b.type, b.policy, b.calls, figures
 
 
 def _range_label(first: str, last: str) -> str:
@@ -201,7 +202,8 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
 
 def _totals(plan: Plan) -> list[str]:
     overhead = 100 * plan.recompute_flops / plan.forward_flops if plan.forward_flops else 0.0
-    lends = any(o.saved_bytes < 0 for b in plan.blocks for o in b.options)  # gradient buffers lent
+    lends = any(o.saved_bytes < 0 for b in plan.blocks for o in b.options)
+    below = "; below zero where a block's gradient buffers hold later blocks' activations" if lends else ""
     return [
         f"predicted peak  {plan.predicted_peak_bytes / MB:10.2f} MB   budget {plan.budget_bytes / MB:.2f} MB"
         + ("" if plan.compiled_peak_bytes is None
@@ -210,8 +212,7 @@ def _totals(plan: Plan) -> list[str]:
         f"   lowest {plan.min_peak_bytes / MB:.2f} MB (the model's; the compiler decides fit)",
         f"recompute       {plan.recompute_flops / 1e9:10.3f} GFLOP ({overhead:.1f}% of the forward)",
         f"planned in      {plan.planning_seconds:10.2f} s on {plan.backend}, {plan.compiles} whole-step compiles   "
-        "(* = chosen; MB kept for the backward"
-        + ("; below zero where a block's gradient buffers hold later blocks' activations" if lends else "") + ")",
+        f"(* = chosen; MB kept for the backward{below})",
     ] + _timed_rows(plan) + [f"note: {n}" for n in plan.notes]
 
 
@@ -239,8 +240,7 @@ def _plot(plan: Plan, path: str) -> None:
         raise ImportError(
             f"`Plan.plot({path!r})` needs matplotlib, which is not installed. Install it with "
             "`pip install matplotlib` (or `pip install 'smartremat[bench]'`), or read the figures "
-            "from `plan.frontier()` instead."
-        ) from e
+            "from `plan.frontier()` instead.") from e
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     pts = plan.frontier()
     ax.step([p for p, _ in pts], [c / 1e9 for _, c in pts], "k.-", where="post", label="frontier (optimal plans)")

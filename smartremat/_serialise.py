@@ -53,15 +53,13 @@ def load_plan(source: str | os.PathLike | dict) -> Plan:
                 data = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise PlanFileError(
-                f"`load_plan({where})`: the file is not JSON ({e}); it may be truncated or not a plan "
-                "at all. Save the plan again with `plan.save(path)` (or plan again: leave `plan=None`)."
-            ) from None
+                f"`load_plan({where})`: the file is not JSON ({e}); it may be truncated or not a plan at all. "
+                "Save the plan again with `plan.save(path)` (or plan again: leave `plan=None`).") from None
     if not isinstance(data, dict) or "assignment" not in data or "signature" not in data:
         keys = sorted(data)[:8] if isinstance(data, dict) else type(data).__name__
         raise PlanFileError(
             f"`load_plan(source=...)` needs the JSON that `Plan.save` writes (with 'assignment' and "
-            f"'signature'); {where} holds {keys}. Save the plan with `plan.save(path)`."
-        )
+            f"'signature'); {where} holds {keys}. Save the plan with `plan.save(path)`.")
     try:
         plan = _plan_of(data)
     except PlanFileError as e:
@@ -70,8 +68,7 @@ def load_plan(source: str | os.PathLike | dict) -> Plan:
         what = f"the field {e.args[0]!r} is missing" if isinstance(e, KeyError) else f"a field is malformed ({e})"
         raise PlanFileError(
             f"`load_plan({where})`: {what}, so this is not a whole plan as `Plan.save` writes it. "
-            "Save the plan again with `plan.save(path)`, or plan again (leave `plan=None`)."
-        ) from None
+            "Save the plan again with `plan.save(path)`, or plan again (leave `plan=None`).") from None
     _check_rows(plan, where)
     return plan
 
@@ -85,8 +82,8 @@ def _plan_of(data: dict) -> Plan:
     return Plan(
         budget_bytes=mb("budget_mb"), predicted_peak_bytes=mb("predicted_peak_mb"),
         no_remat_peak_bytes=mb("no_remat_peak_mb"), full_remat_peak_bytes=mb("full_remat_peak_mb"),
-        min_peak_bytes=mb("min_peak_mb"), recompute_flops=data["recompute_flops"], forward_flops=data["forward_flops"],
-        blocks=tuple(_block(b) for b in data["blocks"]),
+        min_peak_bytes=mb("min_peak_mb"), recompute_flops=data["recompute_flops"],
+        forward_flops=data["forward_flops"], blocks=tuple(_block(b) for b in data["blocks"]),
         compiled_peak_bytes=None if data["compiled_peak_mb"] is None else mb("compiled_peak_mb"),
         compiled_flops=data["compiled_flops"], fixed_bytes=mb("fixed_mb"),
         planning_seconds=data["planning_s"], compiles=data.get("compiles", 0),
@@ -117,8 +114,7 @@ def _check_rows(plan: Plan, where: str) -> None:
             raise PlanFileError(
                 f"`load_plan({where})`: block {b.path!r} names the policy {b.policy!r}, which is not "
                 f"among its options {[o.name for o in b.options]}. Edit it back to one of them, or plan "
-                "again (leave `plan=None`) and save that plan."
-            )
+                "again (leave `plan=None`) and save that plan.")
         runs, labels = rows.get(b.path), {b.path}
         if runs is None:  # a nested option: the block's sub-blocks are in the assignment
             children = _children(plan.assignment, b.path)
@@ -126,22 +122,19 @@ def _check_rows(plan: Plan, where: str) -> None:
         if runs is None:
             raise PlanFileError(
                 f"`load_plan({where})`: block {b.path!r} (policy {b.policy!r}) has no entry in the "
-                "plan's 'assignment', which is what runs. Re-plan, or edit both 'blocks' and 'assignment'."
-            )
+                "plan's 'assignment', which is what runs. Re-plan, or edit both 'blocks' and 'assignment'.")
         if runs != b.policy:
             raise PlanFileError(
                 f"`load_plan({where})`: block {b.path!r} is shown with the policy {b.policy!r} in "
                 f"'blocks' but runs {runs!r} by the 'assignment'; a plan must show what runs. Re-plan "
-                "(leave `plan=None`) and save that plan, or edit both 'blocks' and 'assignment'."
-            )
+                "(leave `plan=None`) and save that plan, or edit both 'blocks' and 'assignment'.")
         claimed |= labels
     unshown = [label for label in rows if label not in claimed]
     if unshown:
         raise PlanFileError(
             f"`load_plan({where})`: the 'assignment' (what runs) sets {unshown[0]!r} to "
             f"{rows[unshown[0]]!r}, which no row of 'blocks' shows. Re-plan (leave `plan=None`), "
-            "or edit both 'blocks' and 'assignment'."
-        )
+            "or edit both 'blocks' and 'assignment'.")
 
 
 def _children(assignment: tuple, label: str) -> dict[str, tuple]:
@@ -160,6 +153,5 @@ def _policy(name: str) -> Option:
     if not isinstance(name, str) or name not in _BY_NAME:
         raise PlanFileError(
             f"the plan names the policy {name!r}, which `load_plan` cannot rebuild from its name (only "
-            f"{sorted(_BY_NAME)} can be). Plan again with `smartremat(policies=[...])` instead of loading."
-        )
+            f"{sorted(_BY_NAME)} can be). Plan again with `smartremat(policies=[...])` instead of loading.")
     return _BY_NAME[name]

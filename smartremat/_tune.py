@@ -100,9 +100,8 @@ def rounds_for(seconds: float, per_step: float = TUNE_SECONDS, floor: int = TUNE
 def _time_steps(steps: Sequence[Timed], rounds: int | None) -> tuple[tuple[float, ...], ...]:
     with ThreadPoolExecutor(max(1, min(len(steps), 2))) as pool:
         executables = list(pool.map(lambda s: s.build(), steps))
-    inputs: dict[tuple, tuple] = {}  # one set of synthetic inputs per signature: candidates share it
-    for s in steps:
-        inputs.setdefault(_signature(s.avals), synthetic(s.avals))
+    inputs = {_signature(s.avals): s.avals for s in steps}  # candidates of one signature share inputs
+    inputs = {sig: synthetic(avals) for sig, avals in inputs.items()}
     runs = [TimedRun(e, inputs[_signature(s.avals)], s.donated) for e, s in zip(executables, steps)]
     warm = [[r.once(), r.once()][1] for r in runs]  # warm-up
     rounds = rounds_for(statistics.median(warm)) if rounds is None else rounds
