@@ -1,14 +1,8 @@
-"""Plans cached on disk, so that a restarted training job does not plan again.
-
-A plan is stored as the JSON `Plan.save` writes (stages included), in a file named by the hash of
-its key: the traced program (the module's forward and each loss on its output, or the whole step
-for `smartremat.filter_jit`: code, helpers, static arguments and fields), the arguments'
-structure, shapes, dtypes and shardings, the configuration (for an automatic budget the device's
-memory limit), the devices, the JAX, jaxlib, Equinox and smartremat versions (its source hashed)
-and `XLA_FLAGS`. The key's text is stored beside the plan and compared on load, so a hash
-collision is never used. A plan is cached only when its key has a stable text (built-in policies,
-a `blocks=` function whose source can be read). The folder: `$SMARTREMAT_CACHE_DIR`, else
-`$XDG_CACHE_HOME/smartremat`, else `~/.cache/smartremat`; `SMARTREMAT_DISK_CACHE=0` turns it off.
+"""Plans cached on disk, so that a restarted training job does not plan again (docs/how-it-works.md,
+step 8). A plan is stored as `Plan.save` writes it, in a file named by the hash of its key (`_key_text`:
+everything the plan depends on); the key's text is stored beside it and compared on load, so a
+hash collision is never used. Only keys with a stable text are cached (built-in policies, a
+`blocks=` function whose source can be read).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""`tune=True`: time the few best fitting candidates of the whole step and keep the fastest.
-
-Compiled FLOPs do not order step times (docs/facts.md, facts 5 and 17). The search's choice (the
-fewest compiled FLOPs that fit) is timed beside every uniform plan and up to `TUNE_FRONTIER`
-frontier points of lower predicted peak, each compiled as the step that runs; those that fit run
-on synthetic inputs in interleaved rounds (`rounds_for`), and the lowest median time wins (ties:
-the search's choice). Timing noise is sampling noise, not a per-compile offset (fact 18); on
-simulated tunings over measured rounds (fact 19, `studies/tune_rules.py`) the lowest median missed
-fewer switches to plans 3-11% faster than a signed-rank test or any other statistic tried.
-
-The times are kept in this process (keyed by each candidate's step, signature, plan, backend and
-flags), and a tuned plan is stored on disk like any plan.
+"""`tune=True`: time the few best fitting candidates of the whole step and keep the fastest
+(docs/how-it-works.md, step 5). Compiled FLOPs do not order step times (docs/facts.md, facts 5 and
+17). Timing noise is sampling noise, not a per-compile offset (fact 18); on simulated tunings over
+measured rounds (fact 19, `studies/tune_rules.py`) the lowest median missed fewer switches to plans
+3-11% faster than a signed-rank test or any other statistic tried. The times are kept in this
+process, and a tuned plan is stored on disk like any plan.
 """
 
 from __future__ import annotations
