@@ -73,12 +73,9 @@ class KeyedCache(Generic[T]):
                     self._values.move_to_end(key)
                     return self._values[key]
                 lock = self._making.setdefault(key, threading.Lock())
-            with lock:  # one maker per key; the others wait here, then find the value
+            with lock:  # one maker per key; the others wait here, then start over to find its value
                 with self._lock:
-                    if key in self._values:
-                        self._values.move_to_end(key)
-                        return self._values[key]
-                    if self._making.get(key) is not lock:  # its maker failed (or it was evicted): start over
+                    if self._making.get(key) is not lock:  # made (or its maker failed) meanwhile
                         continue
                     generation = self._generation
                 try:
@@ -89,11 +86,10 @@ class KeyedCache(Generic[T]):
                     raise
                 with self._lock:
                     del self._making[key]
-                    if generation != self._generation:
-                        return value
-                    self._values[key] = value
-                    while len(self._values) > self.max_entries:
-                        self._values.popitem(last=False)
+                    if generation == self._generation:  # else a clear() came while it was made
+                        self._values[key] = value
+                        while len(self._values) > self.max_entries:
+                            self._values.popitem(last=False)
                     return value
 
     def __len__(self) -> int:
@@ -110,15 +106,12 @@ def clear_caches() -> None:
     """Forget every plan, profile and compiled figure smartremat has kept in this process.
 
     smartremat caches what it measures (by module code, input signature, configuration, backend
-    and `XLA_FLAGS`), so planning the same call twice costs nothing the second time. Each cache
-    keeps its most recently used entries only, so this is rarely needed; call it to free the memory
-    they hold, or to plan again from scratch (e.g. to time planning), much as
-    `equinox.clear_caches()` does for Equinox's compiled functions.
-
-    The next trace of a decorated model, or the next call of a `smartremat.filter_jit` step, plans
-    again; a function JAX has already compiled keeps the plan it was traced with. A `Plan` given
-    with `smartremat(plan=...)` is not a cache and stays. JAX's and Equinox's own caches are left
-    alone (`jax.clear_caches()` and `equinox.clear_caches()` clear those).
+    and `XLA_FLAGS`), each cache its most recently used entries only; call this to free the memory
+    they hold, or to plan again from scratch (e.g. to time planning), as `equinox.clear_caches()`
+    does for Equinox's compiled functions. The next trace of a decorated model, or the next call of
+    a `smartremat.filter_jit` step, plans again; a function JAX has already compiled keeps the plan
+    it was traced with. A `Plan` given with `smartremat(plan=...)` is not a cache and stays. JAX's
+    and Equinox's own caches are left alone (`jax.clear_caches()` and `equinox.clear_caches()`).
 
     **Arguments:** none.
 

@@ -25,19 +25,18 @@ from ._verify import DEFAULT_LOSSES, UserLoss, abstract_args
 
 
 def _real(value: Any) -> float | None:
-    """`value` as a float if it is a real number: a Python or NumPy scalar, or a 0-d integer or
-    floating array (NumPy or JAX); None for anything else, bools included."""
+    """`value` as a float if it is a real number (a Python or NumPy scalar, a 0-d integer or floating
+    array), else None (bools included)."""
     if isinstance(value, (bool, np.bool_)):
         return None
     if isinstance(value, numbers.Real):
         return float(value)
-    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-    if shape != () or dtype is None:
+    dtype = getattr(value, "dtype", None)
+    if getattr(value, "shape", None) != () or dtype is None:
         return None
     try:
-        if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
-            return None
-        return float(value)
+        numeric = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+        return float(value) if numeric else None
     except Exception:  # a traced value (inside `jit`), or a dtype NumPy does not know: not a number here
         return None
 
@@ -49,8 +48,7 @@ def checked_budget_mb(budget_mb: Any, name: str = "smartremat(budget_mb=...)") -
         raise ValueError(
             f"`{name}` should be a positive, finite number of megabytes (2**20 bytes), not "
             f"{budget_mb!r}. It caps the peak activation memory of one forward+backward through "
-            "the module; e.g. `budget_mb=512`."
-        )
+            "the module; e.g. `budget_mb=512`.")
     return value
 
 
@@ -62,20 +60,17 @@ def make_config(budget_mb: Any, *, policies: Sequence[Any] | None = None, blocks
     if blocks is not None and not callable(blocks):
         raise TypeError(
             f"`{name}(blocks=...)` should be a function from the module to a sub-module or a "
-            f"sequence of them (as in `eqx.tree_at`), not {blocks!r}; e.g. `blocks=lambda m: m.layers`."
-        )
+            f"sequence of them (as in `eqx.tree_at`), not {blocks!r}; e.g. `blocks=lambda m: m.layers`.")
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(
             f"`{name}(plan=...)` should be a `smartremat.Plan` (e.g. from `smartremat.load_plan(path)`), "
-            f"not {type(plan).__name__}. Load a saved plan with `load_plan` first."
-        )
+            f"not {type(plan).__name__}. Load a saved plan with `load_plan` first.")
     if isinstance(scan_segments, (bool, np.bool_)) or not isinstance(scan_segments, numbers.Integral) \
             or scan_segments < 1:
         raise ValueError(
             f"`{name}(scan_segments=...)` should be a positive int (how many pieces, each with "
             f"its own policy, a scanned block's scan may be split into), not {scan_segments!r}; "
-            "e.g. `scan_segments=1` keeps every scan whole."
-        )
+            "e.g. `scan_segments=1` keeps every scan whole.")
     if tune and plan is not None:
         raise ValueError(
             f"`{name}(tune=True, plan=...)`: a saved plan runs as saved, so there is nothing to tune. "
@@ -88,9 +83,9 @@ def make_config(budget_mb: Any, *, policies: Sequence[Any] | None = None, blocks
     if plan is not None:
         _check_plan_budget(plan, mb, name)
     return Config(budget_bytes=int(mb * MB), policies=normalise_policies(policies, name), budget_mb=mb,
-                           blocks=blocks, calibrate=bool(calibrate), verify=bool(verify), plan=plan,
-                           scan_segments=int(scan_segments), nested=bool(nested),
-                           losses=_losses(loss, loss_args, name), tune=bool(tune))
+                  blocks=blocks, calibrate=bool(calibrate), verify=bool(verify), plan=plan,
+                  scan_segments=int(scan_segments), nested=bool(nested),
+                  losses=_losses(loss, loss_args, name), tune=bool(tune))
 
 
 def _check_plan_budget(plan: Plan, budget_mb: float, name: str) -> None:
@@ -104,8 +99,7 @@ def _check_plan_budget(plan: Plan, budget_mb: float, name: str) -> None:
         f"`{name}(budget_mb={budget_mb:g}, plan=...)`: the saved plan runs as it was saved, and its peak "
         f"is {peak / MB:.3f} MB ({kind}; it was made for budget_mb={plan.budget_bytes / MB:g}), above "
         f"the budget. Raise `budget_mb` to at least {up:.2f} to run this plan, or plan again for "
-        f"{budget_mb:g} MB (leave `plan=None`) and save that plan."
-    )
+        f"{budget_mb:g} MB (leave `plan=None`) and save that plan.")
 
 
 def _losses(loss: Callable | None, loss_args: Any, name: str) -> tuple:
@@ -114,8 +108,7 @@ def _losses(loss: Callable | None, loss_args: Any, name: str) -> tuple:
         if not (loss_args is None or isinstance(loss_args, (tuple, list)) and not loss_args):
             raise ValueError(
                 f"`{name}(loss_args=...)` was given without `loss=`: they are the extra arguments of "
-                "your loss, `loss(output, *loss_args)`. Pass `loss=` too, or drop `loss_args`."
-            )
+                "your loss, `loss(output, *loss_args)`. Pass `loss=` too, or drop `loss_args`.")
         return DEFAULT_LOSSES
     if not callable(loss):
         raise TypeError(
@@ -130,21 +123,18 @@ def _losses(loss: Callable | None, loss_args: Any, name: str) -> tuple:
             raise TypeError(
                 f"`{name}(loss_args=...)` should be arrays or `jax.ShapeDtypeStruct`s (the extra "
                 f"arguments of `loss(output, *loss_args)`, e.g. the targets), or a function from the "
-                f"output's shapes to them; got {loss_args!r:.80} ({e})."
-            ) from e
+                f"output's shapes to them; got {loss_args!r:.80} ({e}).") from e
     return (UserLoss(loss, loss_args),)
 
 
 def planned_call(module: Any, call: Callable, config: Config, args: tuple, kwargs: dict) -> Any:
-    """Plan (once per signature) and run `call(module, *args, **kwargs)` under the plan."""
-    if _intercept.in_root_call():  # inside a module `smartremat.filter_jit` plans: its plan covers this one
+    """Plan (once per signature) and run `call(module, *args, **kwargs)` under the plan. Inside a
+    module `smartremat.filter_jit` plans (its plan covers this one), or with no backward pass
+    (nothing to keep for it), the plain forward runs."""
+    if _intercept.in_root_call() or not _jax_private.differentiated(jax.tree.leaves((module, args, kwargs))):
         return call(module, *args, **kwargs)
-    if not _jax_private.differentiated(jax.tree.leaves((module, args, kwargs))):
-        return call(module, *args, **kwargs)  # no backward pass, nothing to keep for it: the plain forward
     spec = make_spec(module, args, kwargs)
-    if config.plan is not None:
-        return _options.run(module, call, loaded_plan(config.plan, call, spec).assignment, args, kwargs)
-    plan = get_plan(call, spec, module, config)
+    plan = loaded_plan(config.plan, call, spec) if config.plan else get_plan(call, spec, module, config)
     return _options.run(module, call, plan.assignment, args, kwargs)
 
 
@@ -154,39 +144,28 @@ def loaded_plan(plan: Plan, call: Callable, spec: Any) -> Plan:
         raise ValueError(
             "`smartremat(plan=...)` was made for a different module or input signature (shapes, "
             "dtypes, batch, backend) than this call. Plan again (leave `plan=None`), or load the "
-            "plan saved for these inputs."
-        )
+            "plan saved for these inputs.")
     return plan
 
 
 class SmartRemat(eqx.Module):
-    """A module wrapped by `smartremat(budget_mb=...)(module)`: called like `module`.
-
-    Its only array leaves are those of `module`, so parameters and gradients are the same.
-    """
+    """A module wrapped by `smartremat(budget_mb=...)(module)`: called like `module`, with the same
+    array leaves, so parameters and gradients are the same."""
 
     module: eqx.Module
     config: Config = eqx.field(static=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return planned_call(self.module, _unbound_call(self.module), self.config, args, kwargs)
-
-
-def _unbound_call(module: Any) -> Callable:
-    return type(module).__call__
+        return planned_call(self.module, type(self.module).__call__, self.config, args, kwargs)
 
 
 def _decorate_class(cls: type, config: Config) -> type:
-    """Give `cls` a planning `__call__`, in place, so instances keep the exact same pytree.
-
-    Like `dataclasses.dataclass`, this acts on the class being defined; the original call is
-    kept (as `__smartremat__`) and runs, unchanged, inside the plan.
-    """
+    """Give `cls` a planning `__call__` in place (as `dataclasses.dataclass` acts on the class), so
+    instances keep the same pytree; the original call, kept as `__smartremat__`, runs inside the plan."""
     if "__smartremat__" in cls.__dict__:
         raise TypeError(
             f"`smartremat(...)` was applied twice to the class {cls.__name__!r}. Decorate it "
-            "once, with the budget you want."
-        )
+            "once, with the budget you want.")
     original = cls.__call__
 
     @functools.wraps(original)
@@ -198,20 +177,11 @@ def _decorate_class(cls: type, config: Config) -> type:
     return cls
 
 
-def smartremat(
-    budget_mb: float,
-    *,
-    policies: Sequence[Callable[..., bool] | None] | None = None,
-    blocks: Callable[[Any], Any] | None = None,
-    calibrate: bool = True,
-    verify: bool = True,
-    plan: Plan | None = None,
-    scan_segments: int = 2,
-    nested: bool = True,
-    loss: Callable[..., Any] | None = None,
-    loss_args: Any = (),
-    tune: bool = False,
-) -> Callable[[Any], Any]:
+def smartremat(budget_mb: float, *, policies: Sequence[Callable[..., bool] | None] | None = None,
+               blocks: Callable[[Any], Any] | None = None, calibrate: bool = True, verify: bool = True,
+               plan: Plan | None = None, scan_segments: int = 2, nested: bool = True,
+               loss: Callable[..., Any] | None = None, loss_args: Any = (),
+               tune: bool = False) -> Callable[[Any], Any]:
     """Choose and apply gradient checkpointing so one forward+backward fits `budget_mb`.
 
     **Arguments:**
@@ -222,45 +192,41 @@ def smartremat(
     - `policies`: the `jax.checkpoint` policies to choose from per block. Defaults to
       `dots_saveable`, `dots_with_no_batch_dims_saveable` and `nothing_saveable`; no remat is
       always an option. Policies that save the same residuals for a block are merged. Your own
-      policies are shown in plans under their `__name__`, made unique (a second `<lambda>` is
-      `<lambda>#2`); one that raises is reported by name.
+      are shown under their `__name__`, made unique (a second `<lambda>` is `<lambda>#2`); one
+      that raises is reported by name.
     - `blocks`: a function from the module to the sub-module(s) to plan over (as in
       `eqx.tree_at`). Defaults to the sub-modules its forward calls, found automatically.
     - `calibrate`: ask the compiler for each distinct block's own peak and for what it keeps in
       a stack of its copies (up to three small compiles per block and policy, no device memory).
       Without it the model uses jaxpr counts only.
-    - `verify`: compile the real step for candidate plans (a few of the model's frontier, found
-      by a search from its choice, and the uniform plans) and keep the cheapest whose compiled
-      temp bytes fit; the compiler, not the model, then guarantees the fit. Plans are cached on
-      disk (see docs/how-it-works.md: `SMARTREMAT_CACHE_DIR`, `SMARTREMAT_DISK_CACHE=0`).
-    - `plan`: a saved `Plan` (`smartremat.load_plan(path)`) to apply instead of planning; it must
-      have been made for the same module and input signature, and its peak must fit `budget_mb`
-      (it runs as saved, whatever the budget; `smartremat.explain` shows it).
+    - `verify`: compile the real step for candidate plans (a few of the model's frontier and the
+      uniform plans) and keep the cheapest whose compiled temp bytes fit: the compiler, not the
+      model, guarantees the fit. Plans are cached on disk (docs/how-it-works.md:
+      `SMARTREMAT_CACHE_DIR`, `SMARTREMAT_DISK_CACHE=0`).
+    - `plan`: a saved `Plan` (`smartremat.load_plan(path)`) to apply instead of planning, made for
+      the same module and input signature; it runs as saved, and its peak must fit `budget_mb`.
     - `scan_segments`: a block that is the body of a `jax.lax.scan` (stacked layers) runs every
-      iteration under one policy per scan, so smartremat may split that scan into up to this
-      many consecutive scans, each with its own policy (more pieces: closer to the best
-      per-layer plan, more to compile). `1` keeps each scan whole.
-    - `nested`: also offer, for each block that calls sub-blocks of its own (e.g. a transformer
-      layer's attention and MLP), checkpointing those sub-blocks (its two costliest, every
-      combination of policies) instead of the whole block. `False` plans one level only.
-    - `loss`: your loss, `loss(output, *loss_args) -> scalar`, taking the module's output. With
-      it, plans are verified on the gradient of exactly that loss. Without it, they are verified
-      on the squared error and the softmax cross-entropy of every floating output against
-      targets, and must fit both (a loss that needs more working memory than these, or a step
+      iteration under one policy, so its scan may be split into up to this many consecutive
+      scans, each with its own policy (closer to the best per-layer plan, more to compile). `1`
+      keeps each scan whole.
+    - `nested`: also offer, for a block that calls sub-blocks (e.g. a transformer layer's
+      attention and MLP), checkpointing its two costliest sub-blocks (every combination of
+      policies) instead of the whole block. `False` plans one level only.
+    - `loss`: your loss, `loss(output, *loss_args) -> scalar`; plans are then verified on its
+      gradient. Without it, they must fit the squared error and the softmax cross-entropy of
+      every floating output against targets (a loss that needs more working memory, or a step
       that does more than the gradient, is held to the budget by `smartremat.filter_jit`).
     - `loss_args`: the extra arguments of `loss` (e.g. targets), as arrays or
       `jax.ShapeDtypeStruct`s, or a function from the output's `ShapeDtypeStruct`s to them when
       their shapes follow the batch (e.g. `lambda out: jax.ShapeDtypeStruct(out.shape[:-1], jnp.int32)`).
-    - `tune`: also time candidates and keep the fastest. The plan of the fewest compiled FLOPs
-      that fits, every uniform plan and up to three frontier plans of lower peak are compiled as
-      the verified step (under the first loss) runs; those that fit are run on synthetic inputs
-      of its shapes (interleaved rounds: 25, or about 2 s per candidate for short steps), and
-      the one of the lowest median time is chosen (docs/facts.md, facts 18 and 19: timing noise
-      is sampling noise, and a missed switch costs more than a switch on noise). FLOPs do not
-      order step times (on a CPU, memory traffic can cost more than recompute), so this can be faster;
-      it costs a few seconds of compiling and running per plan, once per signature (plans are
-      cached on disk), and device memory for a second copy of the step's inputs beside the
-      step's own. `Plan.timed` and `smartremat.explain` show the times.
+    - `tune`: also time candidates and keep the fastest (FLOPs do not order step times: on a CPU,
+      memory traffic can cost more than recompute). The fitting plan of fewest compiled FLOPs,
+      every uniform plan and up to three frontier plans of lower peak are compiled as the
+      verified step (under the first loss); those that fit run on synthetic inputs (interleaved
+      rounds: 25, or about 2 s per candidate for short steps) and the lowest median time wins
+      (docs/facts.md, facts 18 and 19). It costs a few seconds per plan, once per signature
+      (plans are cached on disk), and device memory for a second copy of the step's inputs.
+      `Plan.timed` and `smartremat.explain` show the times.
 
     **Returns:**
 
@@ -268,8 +234,8 @@ def smartremat(
     fields, same pytree) plan on their first differentiated call per input signature (inside
     `jax.grad`, `eqx.filter_grad`, `jax.vjp`; a forward-only call runs the plain forward, and a
     function traced before it is differentiated, as in `jax.grad(jax.jit(f))`, shows no sign of
-    it: plan such steps with `smartremat.filter_jit`). On a module instance it returns
-    a `SmartRemat` wrapper, called like the module, holding the same arrays.
+    it: plan such steps with `smartremat.filter_jit`). On a module instance it returns a
+    `SmartRemat` wrapper, called like the module, holding the same arrays.
     """
     config = make_config(budget_mb, policies=policies, blocks=blocks, calibrate=calibrate, verify=verify,
                          plan=plan, scan_segments=scan_segments, nested=nested, loss=loss, loss_args=loss_args,
@@ -281,8 +247,7 @@ def smartremat(
                 raise TypeError(
                     f"`smartremat(...)` decorates `eqx.Module` subclasses or instances, not the "
                     f"class {target.__name__!r}. Make it inherit from `equinox.Module`, or wrap a "
-                    "module instance: `smartremat(budget_mb=...)(model)`."
-                )
+                    "module instance: `smartremat(budget_mb=...)(model)`.")
             return _decorate_class(target, config)
         if isinstance(target, eqx.Module) and callable(target):
             _refuse_planned(target)
@@ -290,8 +255,7 @@ def smartremat(
         raise TypeError(
             f"`smartremat(...)` should be applied to an `eqx.Module` subclass or a callable "
             f"module instance, not {type(target).__name__} {target!r:.60}. For a plain function, "
-            "put it in a Module's `__call__`."
-        )
+            "put it in a Module's `__call__`.")
 
     return decorate
 
@@ -303,22 +267,20 @@ def _refuse_planned(target: Any) -> None:
             f"`smartremat(...)` was applied to a `SmartRemat`, a module already wrapped by "
             f"`smartremat(budget_mb={target.config.budget_mb:g})` (around a {type(target.module).__name__}); "
             "wrapping it again would plan twice. Wrap the inner module once with the budget you want: "
-            "`smartremat(budget_mb=...)(wrapped.module)`."
-        )
+            "`smartremat(budget_mb=...)(wrapped.module)`.")
     found = getattr(type(target), "__smartremat__", None)
     if found is not None:
         raise TypeError(
             f"`smartremat(...)` was applied to an instance of {type(target).__name__!r}, whose class is "
             f"already decorated with `@smartremat(budget_mb={found[0].budget_mb:g})`, so it plans its own "
             "calls; wrapping it would plan twice. Call the instance as it is (or pass "
-            "`budget_mb=` to `smartremat.explain`), or change the budget on the class decorator."
-        )
+            "`budget_mb=` to `smartremat.explain`), or change the budget on the class decorator.")
 
 
 def config_of(model: Any) -> tuple[Config, Callable, Any] | None:
     """`(config, original call, inner module)` of a decorated instance or wrapper, else None."""
     if isinstance(model, SmartRemat):
-        return model.config, _unbound_call(model.module), model.module
+        return model.config, type(model.module).__call__, model.module
     found = type(model).__dict__.get("__smartremat__")
     if found is not None:
         return found[0], found[1], model

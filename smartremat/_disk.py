@@ -1,20 +1,8 @@
-"""Plans cached on disk, so that a restarted training job does not plan again.
-
-A plan is stored as the JSON `Plan.save` writes, with its model's stages (so that `frontier()`,
-`uniform()` and `plot()` work on a plan read back), in a file named by the hash of everything the
-plan depends on (the key below); the key's text is stored beside the plan and compared on load,
-so a hash collision or a file from another key is never used. The folder is
-`$SMARTREMAT_CACHE_DIR`, else `$XDG_CACHE_HOME/smartremat`, else `~/.cache/smartremat`;
-`SMARTREMAT_DISK_CACHE=0` turns the disk cache off.
-
-The key holds: the traced program (the module's forward and each loss on its output for the
-decorator; the whole step for `smartremat.filter_jit`), so that code, helper functions, static
-arguments and fields are in it; the arguments' structure, shapes, dtypes and shardings; the
-configuration (budget, menu, options; for an automatic budget the device's memory limit); the
-devices; the JAX, jaxlib, Equinox and smartremat versions (smartremat's own source hashed); and
-`XLA_FLAGS`. A plan is cached only when each of these has a stable text: a menu of the built-in
-policies, and a `blocks=` function whose source can be read. Otherwise the plan is made as usual
-and not stored.
+"""Plans cached on disk, so that a restarted training job does not plan again (docs/how-it-works.md,
+step 8). A plan is stored as `Plan.save` writes it, in a file named by the hash of its key (`_key_text`:
+everything the plan depends on); the key's text is stored beside it and compared on load, so a
+hash collision is never used. Only keys with a stable text are cached (built-in policies, a
+`blocks=` function whose source can be read).
 """
 
 from __future__ import annotations
@@ -53,8 +41,7 @@ def folder() -> pathlib.Path | None:
     """Where plans are stored, or `None` when the disk cache is off."""
     if os.environ.get("SMARTREMAT_DISK_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
-    given = os.environ.get("SMARTREMAT_CACHE_DIR")
-    if given:
+    if given := os.environ.get("SMARTREMAT_CACHE_DIR"):
         return pathlib.Path(given)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return pathlib.Path(base) / "smartremat"
@@ -79,20 +66,15 @@ def _jaxlib_version() -> str:
 def _source(obj: Any) -> str | None:
     """The source text of a plain function, or `None` (a lambda typed into a REPL, a partial,
     a callable object: nothing stable to key on)."""
-    if not inspect.isfunction(obj):
-        return None
     try:
-        return inspect.getsource(obj)
+        return inspect.getsource(obj) if inspect.isfunction(obj) else None
     except (OSError, TypeError):
         return None
 
 
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
 def without_addresses(text: str) -> str:
     """`text` with the memory addresses of reprs (` at 0x...`) removed: the same in every process."""
-    return _ADDRESS.sub("", text)
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", text)
 
 
 def _program(jaxpr: Any) -> str:
@@ -108,10 +90,9 @@ def _avals_text(avals: Sequence[Any]) -> list:
 
 def _key_text(signature: Any, config: Any, extra: tuple = ()) -> str | None:
     """The text of a disk key, or `None` when some part of it has no stable text."""
-    if any(o not in DEFAULT_MENU for o in config.policies) or config.plan is not None:
-        return None
     blocks = None if config.blocks is None else _source(config.blocks)
-    if config.blocks is not None and blocks is None:
+    if any(o not in DEFAULT_MENU for o in config.policies) or config.plan is not None \
+            or (config.blocks is not None and blocks is None):
         return None
     devices = [(d.platform, d.device_kind) for d in jax.devices()]
     return repr((FORMAT, VERSION, _own_source(), jax.__version__, _jaxlib_version(), eqx.__version__,
@@ -149,8 +130,7 @@ def _path(text: str) -> pathlib.Path | None:
 
 
 def load(text: str | None) -> tuple[Plan, tuple] | None:
-    """`(plan, assignments)` stored under this key, or `None` (absent, off, unreadable, or
-    another key's)."""
+    """`(plan, assignments)` stored under this key, or `None` (absent, off, unreadable, another key's)."""
     path = None if text is None else _path(text)
     if path is None or not path.exists():
         return None

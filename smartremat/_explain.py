@@ -12,12 +12,11 @@ from ._decorator import checked_budget_mb, config_of, loaded_plan, make_config
 from ._plan import Plan
 from ._env import MB
 from ._spec import make_spec, vmapped_spec
-from ._filter_jit import BoundStep, PlannedStep
+from ._filter_jit import PlannedStep
 
 
-def explain(
-    model: Any, *args: Any, budget_mb: float | None = None, vmap: bool | str = False, **kwargs: Any
-) -> Plan:
+def explain(model: Any, *args: Any, budget_mb: float | None = None, vmap: bool | str = False,
+            **kwargs: Any) -> Plan:
     """The `Plan` smartremat makes for `model(*args, **kwargs)`: what it chose, and why.
 
     **Arguments:**
@@ -41,7 +40,7 @@ def explain(
     The same `Plan` value the decorator uses for this signature: `print(plan)` shows a table,
     `plan.to_dict()` is JSON-serialisable.
     """
-    if isinstance(model, (PlannedStep, BoundStep)):
+    if isinstance(model, PlannedStep):
         if budget_mb is not None or vmap:
             raise ValueError(
                 "`explain(model=...)` got a step made by `smartremat.filter_jit`, whose plan is for its "
@@ -53,13 +52,11 @@ def explain(
         if not isinstance(model, eqx.Module):
             raise TypeError(
                 f"`explain(model=...)` should be an `eqx.Module`, not {type(model).__name__}. "
-                "Pass the module instance you would call."
-            )
+                "Pass the module instance you would call.")
         if budget_mb is None:
             raise ValueError(
                 f"`explain(model=...)` got a plain {type(model).__name__}, which carries no budget: "
-                "pass `budget_mb=...`, or decorate the class with `@smartremat(budget_mb=...)`."
-            )
+                "pass `budget_mb=...`, or decorate the class with `@smartremat(budget_mb=...)`.")
         config = make_config(budget_mb, name="explain")
         call, module = type(model).__call__, model
     else:
@@ -67,10 +64,8 @@ def explain(
         if budget_mb is not None:  # what would be planned for this budget, a saved plan set aside
             mb = checked_budget_mb(budget_mb, "explain(budget_mb=...)")
             config = dataclasses.replace(config, budget_bytes=int(mb * MB), budget_mb=mb, plan=None)
-    if vmap is False or vmap is None:
-        spec = make_spec(module, args, kwargs)
-    else:
-        spec = vmapped_spec(module, args, kwargs, None if vmap is True else vmap)
+    spec = (make_spec(module, args, kwargs) if vmap is False or vmap is None
+            else vmapped_spec(module, args, kwargs, None if vmap is True else vmap))
     if config.plan is not None:  # the model runs the saved plan it was given: that is what to explain
         return loaded_plan(config.plan, call, spec)
     return get_plan(call, spec, module, config)

@@ -3,8 +3,9 @@ are planned so that the compiled step fits the budget."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import equinox as eqx
 from jax.core import Tracer
@@ -20,11 +21,9 @@ from ._step_plan import Entry, StepOptions, plan_step
 
 
 class PlannedStep:
-    """A training step planned by `smartremat.filter_jit`: called like `eqx.filter_jit(step)`.
-
-    Plans once per argument signature (shapes, dtypes, shardings, static values); after that a
-    call runs the compiled step, with no tracing.
-    """
+    """A training step planned by `smartremat.filter_jit`: called like `eqx.filter_jit(step)`. Plans
+    once per argument signature (shapes, dtypes, shardings, static values); after that a call runs
+    the compiled step, with no tracing."""
 
     def __init__(self, fun: Callable, config: Config, options: StepOptions):
         self.__wrapped__ = fun
@@ -32,9 +31,10 @@ class PlannedStep:
         self.__doc__ = getattr(fun, "__doc__", None)
         self.config, self.options = config, options
         self._entries: KeyedCache[tuple[Entry, Any, Box]] = KeyedCache()
+        self._bound: tuple = ()  # the instance of a method, its first argument
 
     def _entry(self, args: tuple, kwargs: dict) -> tuple[tuple[Entry, Any, Box], list]:
-        args, kwargs = bind(self.__wrapped__, args, kwargs)
+        args, kwargs = bind(self.__wrapped__, (*self._bound, *args), kwargs)
         sig, dynamic = split_args(self.__wrapped__, args, kwargs)
         traced = any(isinstance(x, Tracer) for x in dynamic)
         key = (sig.key(), traced, *environment_key())
@@ -69,27 +69,14 @@ class PlannedStep:
         """The `Plan` for these arguments (made on first use): what `smartremat.explain` returns."""
         return self._entry(args, kwargs)[0][0].plan
 
-    def __get__(self, instance: Any, owner: Any = None) -> Any:
-        """As a method (`@smartremat.filter_jit(...)` on a method of a class, as `eqx.filter_jit`
-        allows): bound to `instance`, its first argument."""
-        return self if instance is None else BoundStep(self, instance)
-
-
-class BoundStep:
-    """A `PlannedStep` bound to an instance, as a method is: `step(*args)` is
-    `planned(instance, *args)`, and so are `.lower(*args)` and `.plan(*args)`."""
-
-    def __init__(self, step: PlannedStep, instance: Any):
-        self.__wrapped__, self.__self__ = step, instance
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.__wrapped__(self.__self__, *args, **kwargs)
-
-    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
-        return self.__wrapped__.lower(self.__self__, *args, **kwargs)
-
-    def plan(self, *args: Any, **kwargs: Any) -> Plan:
-        return self.__wrapped__.plan(self.__self__, *args, **kwargs)
+    def __get__(self, instance: Any, owner: Any = None) -> PlannedStep:
+        """As a method (`@smartremat.filter_jit(...)` on a method, as `eqx.filter_jit` allows): a
+        copy bound to `instance`, its first argument (in calls, `.lower` and `.plan`); plans shared."""
+        if instance is None:
+            return self
+        bound = copy.copy(self)
+        bound._bound = (instance,)
+        return bound
 
 
 class Lowered:
@@ -127,7 +114,6 @@ class Compiled:
 
 
 Donate = Literal["none", "all", "all-except-first"]
-_DONATE = ("none", "all", "all-except-first")
 
 
 def filter_jit(fun: Callable | None = None, *, budget_mb: float | Literal["auto"], donate: Donate = "none",
@@ -165,13 +151,12 @@ def filter_jit(fun: Callable | None = None, *, budget_mb: float | Literal["auto"
     name = "smartremat.filter_jit"
     config = make_config(1.0 if auto else budget_mb, policies=policies, calibrate=calibrate,
                          scan_segments=scan_segments, nested=nested, tune=tune, name=name)
-    if donate not in _DONATE:
-        raise ValueError(f"`{name}(donate=...)` should be one of {', '.join(map(repr, _DONATE))} (as for "
-                         f"`eqx.filter_jit`), not {donate!r}.")
+    if donate not in get_args(Donate):
+        raise ValueError(f"`{name}(donate=...)` should be one of {', '.join(map(repr, get_args(Donate)))} "
+                         f"(as for `eqx.filter_jit`), not {donate!r}.")
     options = StepOptions(auto, donate)
-    if fun is None:
-        return lambda f: PlannedStep(_check_fun(f, name), config, options)
-    return PlannedStep(_check_fun(fun, name), config, options)
+    make = lambda f: PlannedStep(_check_fun(f, name), config, options)
+    return make if fun is None else make(fun)
 
 
 def _check_fun(fun: Any, name: str) -> Callable:

@@ -1,20 +1,18 @@
 """The last block of a stack in place: with what follows it in the module, and the loss.
 
-A block's own peak is profiled alone, under a stand-in loss on its outputs. The backward of the
-last block of a stack, though, runs right after the backward of what follows it (a language
-model's head and its loss, say), while every earlier block's kept bytes are alive. On the quick
-GPT (`benchmarks/run.py --quick`) the compiled step without remat peaks 18 MB above what the
-profiles predicted, for every plan that leaves the last block without remat (docs/facts.md,
-fact 15).
+A block's own peak is profiled alone, under a stand-in loss. The backward of a stack's last block,
+though, runs right after that of what follows it (a language model's head and loss), while every
+earlier block's kept bytes are alive: on the quick GPT the compiled step without remat peaks 18 MB
+above the profiles' prediction for every plan that leaves the last block without remat
+(docs/facts.md, fact 15).
 
-So one program is compiled in place: the module's call under the plan's first loss (`loss=`, or
-the squared error by default) with the last block whose output has its first argument's type
-(the stack's last) without remat, each such block before it skipped (its call returns that
-argument: no work, nothing kept), and the other blocks (a stem before, a head after) under their
-option of fewest kept bytes. What it takes beyond the glue's residuals
+So one program is compiled in place: the module's call under the plan's first loss, with the last
+block whose output has its first argument's type (the stack's last) without remat, each such block
+before it skipped (its call returns that argument), and the other blocks (a stem, a head) under
+their option of fewest kept bytes. What it takes beyond the glue's residuals
 (`MemoryModel.fixed_bytes`), the stem's kept bytes and the block's own is what follows the block;
-under each option, the block's own peak is then at least its kept bytes plus that. The compile is
-a measure, not counted in `Plan.compiles`; where it fails, the model stays as it was.
+the block's own peak under each option is then at least its kept bytes plus that. The compile is a
+measure, not counted in `Plan.compiles`; where it fails, the model stays as it was.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ class Skipped(Option):
         return "skipped"
 
     def apply(self, call: Callable) -> Callable:
-        return _first_argument
+        return lambda module, *args, **kwargs: args[0]
 
     def to_json(self) -> Any:
         raise TypeError("a skipped block is only measured, never planned")
@@ -64,26 +62,19 @@ def _skippable(spec: CallSpec) -> bool:
             and sharding_key(out) == sharding_key(args[0]))
 
 
-def _first_argument(module: Any, *args: Any, **kwargs: Any) -> Any:
-    return args[0]
-
-
 def in_place(model: MemoryModel, call: Callable, spec: CallSpec, loss: Any) -> MemoryModel:
-    """`model` with the own peak of the stack's last block (the last
-    stage whose block returns its input's type) under each option, raised by what follows it
-    (see the module docstring); `model` itself where that does not apply: no such block after
-    another, a scanned block, a block whose outputs the loss is taken on (its profile already has
-    a real loss), or one also called elsewhere."""
-    stages, calls = model.stages, model.calls
-    known: dict[tuple, bool] = {}  # one abstract trace per distinct block
-    for c in calls:
-        if c.path != () and c.spec.key() not in known:
-            known[c.spec.key()] = _skippable(c.spec)
+    """`model` with the own peak of the stack's last block (the last stage whose block returns its
+    input's type) under each option raised by what follows it; `model` itself where that does not
+    apply: no such block after another, a scanned block, a block whose outputs the loss is taken
+    on (its profile has a real loss), or one also called elsewhere."""
+    calls = model.calls
+    known = {c.spec.key(): c.spec for c in calls if c.path != ()}  # one abstract trace per distinct block
+    known = {key: _skippable(s) for key, s in known.items()}
     chain = [c.path != () and known[c.spec.key()] for c in calls]
     k = max((i for i, ci in enumerate(model.owner) if chain[ci]), default=0)
     last = model.owner[k]
     shared = any(calls[ci].path == calls[last].path for ci in model.owner if ci != last)
-    if k == 0 or any(st.run is not None for st in stages) or calls[last].ends or shared:
+    if k == 0 or any(st.run is not None for st in model.stages) or calls[last].ends or shared:
         return model
     others, kept = [], 0
     for i, ci in enumerate(model.owner):

@@ -1,10 +1,10 @@
 """A block's option: what smartremat may do with the block's call.
 
-One small abstract type, `Option`, with four kinds: `NoRemat` (the block left alone), `Policy` (the
-block's call under `jax.checkpoint` with one policy), `Nested` (the block left alone, its sub-blocks
-under their own options) and `Segments` (consecutive pieces of a scanned block under different
-options). Options are values: equal options compare and hash equal (so caches keyed on them hit),
-and two options are told apart by what they do, never by their display `name`.
+`Option` has four kinds: `NoRemat` (the block left alone), `Policy` (its call under `jax.checkpoint`
+with one policy), `Nested` (the block left alone, its sub-blocks under their own options) and
+`Segments` (consecutive pieces of a scanned block under different options). Options are values:
+equal options compare and hash equal (so caches keyed on them hit), told apart by what they do,
+never by their display `name`.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ class Option(abc.ABC):
     @abc.abstractmethod
     def name(self) -> str: ...
 
-    @abc.abstractmethod
     def to_json(self) -> Any:
         """This option as JSON (names, paths as lists); `from_json` reads it back."""
+        return self.name
 
     def apply(self, call: Callable) -> Callable:
         """`call(module, *args, **kwargs)` run under this option (same signature)."""
@@ -71,9 +71,6 @@ class NoRemat(Option):
     def name(self) -> str:
         return "none"
 
-    def to_json(self) -> Any:
-        return self.name
-
 
 #: The one no-remat option (all `NoRemat()` are equal).
 NO_REMAT = NoRemat()
@@ -81,12 +78,10 @@ NO_REMAT = NoRemat()
 
 @dataclass(frozen=True)
 class Policy(Option):
-    """The block's call under `jax.checkpoint(policy=fn)`, shown as `label` (unique in its menu).
-
-    A user's policy is `checked`: JAX calls this option, and an exception the policy raises
-    becomes a `PolicyError` naming it and the argument it came from (`argument`). One of JAX's
-    own policies is handed to JAX as it is (JAX may recognise it by type).
-    """
+    """The block's call under `jax.checkpoint(policy=fn)`, shown as `label` (unique in its menu). A
+    user's policy is `checked`: JAX calls this option, and an exception the policy raises becomes a
+    `PolicyError` naming it and `argument`. JAX's own policies go to JAX as they are (it may
+    recognise them by type)."""
 
     fn: Callable[..., Any]
     label: str
@@ -106,28 +101,20 @@ class Policy(Option):
         try:
             return self.fn(prim, *avals, **params)
         except Exception as e:
-            raise PolicyError(_policy_error(self, e, prim, avals)) from e
+            shapes = ", ".join(str(getattr(a, "str_short", lambda: a)()) for a in avals)
+            raise PolicyError(
+                f"`{self.argument}(policies=...)` holds the policy {self.name!r} ({self.fn!r:.80}), which "
+                f"raised {type(e).__name__}: {e} when JAX called it as `policy({prim}, {shapes}, **params)`. "
+                "A `jax.checkpoint` policy is called with each primitive of the block, its input avals "
+                "and its parameters, and returns whether to save that primitive's output (True) or "
+                "recompute it (False), e.g. `lambda prim, *avals, **params: prim is jax.lax.dot_general_p`. "
+                "Fix the policy, or remove it from `policies=`.") from e
 
     def apply(self, call: Callable) -> Callable:
         return eqx.filter_checkpoint(call, policy=self.jax_policy)
 
     def profiled(self, spec: CallSpec, call: Callable) -> Callable:
         return spec.function(call, lambda f: jax.checkpoint(f, policy=self.jax_policy))
-
-    def to_json(self) -> Any:
-        return self.name
-
-
-def _policy_error(policy: Policy, e: Exception, prim: Any, avals: tuple) -> str:
-    shapes = ", ".join(str(getattr(a, "str_short", lambda: a)()) for a in avals)
-    return (
-        f"`{policy.argument}(policies=...)` holds the policy {policy.name!r} ({policy.fn!r:.80}), which "
-        f"raised {type(e).__name__}: {e} when JAX called it as `policy({prim}, {shapes}, **params)`. "
-        "A `jax.checkpoint` policy is called with each primitive of the block, its input avals "
-        "and its parameters, and returns whether to save that primitive's output (True) or "
-        "recompute it (False), e.g. `lambda prim, *avals, **params: prim is jax.lax.dot_general_p`. "
-        "Fix the policy, or remove it from `policies=`."
-    )
 
 
 @dataclass(frozen=True)
@@ -150,7 +137,7 @@ class Nested(Option):
         return tuple(e for child, o in self.children for e in o.expand(path + child))
 
     def to_json(self) -> Any:
-        return {"nested": [[[list(step) for step in path], o.to_json()] for path, o in self.children]}
+        return {"nested": assignment_to_json(self.children)}
 
 
 @dataclass(frozen=True)
@@ -211,22 +198,19 @@ def run(module: Any, call: Callable, assignment: Assignment, args: tuple, kwargs
         tags: dict[Path, str] | None = None) -> Any:
     """Call `call(module, *args, **kwargs)` with each `(path, option)` of `assignment` applied.
 
-    No remat leaves that block alone; the empty path means the module's own call. A `Segments`
-    option (a scanned block with different options on pieces of its scan) splits that scan; a
-    nested option stands for its sub-blocks' entries (`Option.expand`). The module tree is never
-    rewritten: the planned sub-modules' calls are routed through their options as they happen
-    (`_intercept.routing`), so the forward sees its own sub-modules. `tags` names the calls of
-    some paths (`jax.named_scope`) so that their equations can be found in the traced program.
+    The empty path is the module's own call. A `Segments` option splits that scan; a nested option
+    stands for its sub-blocks' entries (`Option.expand`). The module tree is never rewritten: the
+    planned sub-modules' calls are routed through their options as they happen
+    (`_intercept.routing`). `tags` names the calls of some paths (`jax.named_scope`) so that their
+    equations can be found in the traced program.
     """
     if any(len(option.variants) > 1 for _, option in assignment):
         return run_pieces(module, call, assignment, args, kwargs, run)
     assignment = expand(tuple((p, option.variants[0]) for p, option in assignment))
-    own = [option for path, option in assignment if path == ()]
     tags = tags or {}
     entries: dict[Path, Option] = {p: option for p, option in assignment if p != () and option != NO_REMAT}
     entries.update({p: entries.get(p, NO_REMAT) for p in tags})
-    if own:
-        call = own[0].apply(call)
+    call = next((option.apply(call) for path, option in assignment if path == ()), call)
     if not entries:
         return call(module, *args, **kwargs)
     paths = list(entries)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +12,6 @@ from ._env import MB
 from ._memory import Stage, cost_of, peak_of
 from ._options import Option, assignment_to_json, short_name
 from ._solve import frontier
-
 
 
 @dataclass(frozen=True)
@@ -57,15 +57,14 @@ class PlanBlock:
 class Plan:
     """An immutable remat plan for one module, input signature and budget.
 
-    Peaks are the activation memory of one forward+backward through the module (see the
-    docs: what the budget means). `predicted_*` figures come from smartremat's model;
-    `compiled_peak_bytes` and `compiled_flops` from the compiler, when the plan was verified;
-    `compiles` is how many whole-step compiles verification asked for (candidates times losses;
-    those already cached in this process cost nothing); `checked` holds, per candidate plan it
-    compiled, the model's predicted peak and the compiled temp bytes (the largest over the losses
-    where it was compiled under all of them); `timed` (with `tune=True`) holds, per fitting
-    candidate it ran, its compiled temp bytes, compiled FLOPs and median seconds per step, the
-    fewest-FLOPs candidate first.
+    Peaks are the activation memory of one forward+backward through the module (docs: what the
+    budget means). `predicted_*` figures are smartremat's model's; `compiled_peak_bytes` and
+    `compiled_flops` the compiler's, when the plan was verified; `compiles` counts the whole-step
+    compiles verification asked for (candidates times losses; those cached in this process cost
+    nothing); `checked` holds, per candidate compiled, the predicted peak and the compiled temp
+    bytes (the largest over the losses it was compiled under); `timed` (with `tune=True`), per
+    fitting candidate run, its compiled temp bytes, compiled FLOPs and median seconds per step,
+    the fewest-FLOPs candidate first.
     """
 
     budget_bytes: int
@@ -93,23 +92,16 @@ class Plan:
     def to_dict(self) -> dict:
         """A JSON-serialisable dict (MB are 2**20 bytes)."""
         return {
-            "budget_mb": self.budget_bytes / MB,
-            "predicted_peak_mb": self.predicted_peak_bytes / MB,
+            "budget_mb": self.budget_bytes / MB, "predicted_peak_mb": self.predicted_peak_bytes / MB,
             "compiled_peak_mb": None if self.compiled_peak_bytes is None else self.compiled_peak_bytes / MB,
             "no_remat_peak_mb": self.no_remat_peak_bytes / MB,
             "full_remat_peak_mb": self.full_remat_peak_bytes / MB,
-            "min_peak_mb": self.min_peak_bytes / MB,
-            "fixed_mb": self.fixed_bytes / MB,
-            "recompute_flops": self.recompute_flops,
-            "forward_flops": self.forward_flops,
-            "compiled_flops": self.compiled_flops,
-            "planning_s": self.planning_seconds,
-            "compiles": self.compiles,
-            "checked_mb": [[p / MB, c / MB] for p, c in self.checked],
+            "min_peak_mb": self.min_peak_bytes / MB, "fixed_mb": self.fixed_bytes / MB,
+            "recompute_flops": self.recompute_flops, "forward_flops": self.forward_flops,
+            "compiled_flops": self.compiled_flops, "planning_s": self.planning_seconds,
+            "compiles": self.compiles, "checked_mb": [[p / MB, c / MB] for p, c in self.checked],
             "timed": [[t / MB, f, s] for t, f, s in self.timed],
-            "backend": self.backend,
-            "notes": list(self.notes),
-            "blocks": [b.to_dict() for b in self.blocks],
+            "backend": self.backend, "notes": list(self.notes), "blocks": [b.to_dict() for b in self.blocks],
         }
 
     def save(self, path: str) -> None:
@@ -130,21 +122,15 @@ class Plan:
             raise ValueError(
                 "This plan was loaded from JSON (`smartremat.load_plan`) without the profile the frontier needs "
                 "(its 'stages': a file written before `Plan.save` kept them). Call `smartremat.explain(model, *args)` "
-                "to plan again and get the frontier, and save that plan."
-            )
+                "to plan again and get the frontier, and save that plan.")
         return [((s.peak + self.fixed_bytes) / MB, s.cost) for s in frontier(self.stages)]
 
     def uniform(self) -> dict[str, tuple[float, int]]:
         """`{policy name: (predicted peak_mb, recompute_flops)}` of each policy on every block
         (empty for a plan loaded from a file written before `Plan.save` kept the profile)."""
-        out: dict[str, tuple[float, int]] = {}
-        if not self.stages:
-            return out
-        n = len(self.stages)
-        for i, name in enumerate(self.menu):
-            choice = (i,) * n
-            out[name] = ((peak_of(self.stages, choice) + self.fixed_bytes) / MB, cost_of(self.stages, choice))
-        return out
+        choices = {name: (i,) * len(self.stages) for i, name in enumerate(self.menu)} if self.stages else {}
+        return {name: ((peak_of(self.stages, c) + self.fixed_bytes) / MB, cost_of(self.stages, c))
+                for name, c in choices.items()}
 
     def plot(self, path: str) -> None:
         """Draw the frontier, this plan, the budget line and the uniform plans to `path` (PNG, SVG, ...).
@@ -166,55 +152,35 @@ def plan_data(plan: Plan) -> dict:
     """The JSON-ready dict of a saved plan, the one format `Plan.save` writes, `load_plan` reads
     and the disk cache keeps: the figures (`Plan.to_dict`), the signature, the assignment, and the
     profile the frontier needs (its stages and menu)."""
-    data = plan.to_dict()
-    data["signature"] = plan.signature
-    data["assignment"] = assignment_to_json(plan.assignment)
-    data["stages"] = [list(dataclasses.astuple(st)) for st in plan.stages]
-    data["menu"] = list(plan.menu)
-    return data
+    return {**plan.to_dict(), "signature": plan.signature, "assignment": assignment_to_json(plan.assignment),
+            "stages": [list(dataclasses.astuple(st)) for st in plan.stages], "menu": list(plan.menu)}
 
 
 def _group(blocks: tuple[PlanBlock, ...]) -> list[tuple[str, PlanBlock, int]]:
-    """Consecutive blocks whose rows read the same (type, policy, figures shown) as `path[a:b]  Type xN`."""
-    out: list[tuple[str, PlanBlock, int]] = []
-    i = 0
-    while i < len(blocks):
-        j = i + 1
-        while j < len(blocks) and _same(blocks[i], blocks[j]):
-            j += 1
-        label = blocks[i].path if j == i + 1 else _range_label(blocks[i].path, blocks[j - 1].path, j - i)
-        out.append((label, blocks[i], j - i))
-        i = j
+    """Consecutive blocks whose rows read the same (`_shown`) as `path[a:b]  Type xN`."""
+    out = []
+    for _, run in itertools.groupby(blocks, key=_shown):
+        first, *rest = run
+        out.append((_range_label(first.path, rest[-1].path) if rest else first.path, first, 1 + len(rest)))
     return out
 
 
-def _same(a: PlanBlock, b: PlanBlock) -> bool:
-    """Whether two blocks' rows read the same: own peaks, which the table does not show, may differ
-    (the block the loss is taken on has a larger one)."""
-    def shown(p: PlanBlock) -> tuple:
-        figures = tuple((o.name, o.saved_bytes, o.recompute_flops, o.merged) for o in p.options)
-        return (p.type, p.policy, p.calls, figures)
-
-    return shown(a) == shown(b)
+def _shown(b: PlanBlock) -> tuple:
+    """What a block's row shows (its own peaks, not shown, may differ)."""
+    figures = tuple((o.name, o.saved_bytes, o.recompute_flops, o.merged) for o in b.options)
+    return b.type, b.policy, b.calls, figures
 
 
-def _range_label(first: str, last: str, n: int) -> str:
-    if first.endswith("]") and "[" in first and first.rsplit("[", 1)[0] == last.rsplit("[", 1)[0]:
-        base = first.rsplit("[", 1)[0]
-        a, b = first.rsplit("[", 1)[1][:-1], last.rsplit("[", 1)[1][:-1]
-        if a.isdigit() and b.isdigit():
-            return f"{base}[{a}:{int(b) + 1}]"
+def _range_label(first: str, last: str) -> str:
+    (base, bracket, a), (other, _, b) = first.rpartition("["), last.rpartition("[")
+    if bracket and first.endswith("]") and base == other and a[:-1].isdigit() and b[:-1].isdigit():
+        return f"{base}[{a[:-1]}:{int(b[:-1]) + 1}]"
     return f"{first} .. {last}"
 
 
 def _render(plan: Plan) -> str:
-    names = []
-    for b in plan.blocks:
-        for o in b.options:
-            if o.name not in names:
-                names.append(o.name)
-    short = {n: short_name(n) for n in names}
-    head = ["block", "type", "calls", "policy"] + [f"MB {short[n]}" for n in names] + ["recompute GFLOP"]
+    names = list(dict.fromkeys(o.name for b in plan.blocks for o in b.options))
+    head = ["block", "type", "calls", "policy"] + [f"MB {short_name(n)}" for n in names] + ["recompute GFLOP"]
     rows = []
     for label, b, n in _group(plan.blocks):
         cells = [label, b.type + (f" x{n}" if n > 1 else ""), str(b.calls), b.policy]
@@ -234,17 +200,11 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join([fmt(head), "  ".join("-" * w for w in widths), *map(fmt, rows)])
 
 
-_LENDS = "; below zero where a block's gradient buffers hold later blocks' activations"
-
-
-def _lends(plan: Plan) -> bool:
-    """Whether a block's kept bytes are below zero (it lends its gradient buffers)."""
-    return any(o.saved_bytes < 0 for b in plan.blocks for o in b.options)
-
-
 def _totals(plan: Plan) -> list[str]:
     overhead = 100 * plan.recompute_flops / plan.forward_flops if plan.forward_flops else 0.0
-    lines = [
+    lends = any(o.saved_bytes < 0 for b in plan.blocks for o in b.options)
+    below = "; below zero where a block's gradient buffers hold later blocks' activations" if lends else ""
+    return [
         f"predicted peak  {plan.predicted_peak_bytes / MB:10.2f} MB   budget {plan.budget_bytes / MB:.2f} MB"
         + ("" if plan.compiled_peak_bytes is None
            else f"   compiled {plan.compiled_peak_bytes / MB:.2f} MB"),
@@ -252,14 +212,13 @@ def _totals(plan: Plan) -> list[str]:
         f"   lowest {plan.min_peak_bytes / MB:.2f} MB (the model's; the compiler decides fit)",
         f"recompute       {plan.recompute_flops / 1e9:10.3f} GFLOP ({overhead:.1f}% of the forward)",
         f"planned in      {plan.planning_seconds:10.2f} s on {plan.backend}, {plan.compiles} whole-step compiles   "
-        "(* = chosen; MB kept for the backward" + (_LENDS if _lends(plan) else "") + ")",
-    ]
-    return lines + _timed_rows(plan) + [f"note: {n}" for n in plan.notes]
+        f"(* = chosen; MB kept for the backward{below})",
+    ] + _timed_rows(plan) + [f"note: {n}" for n in plan.notes]
 
 
 def _timed_rows(plan: Plan) -> list[str]:
     """With `tune=True`: each fitting candidate timed, the plan chosen without tuning first, the
-    one applied marked (the lowest median is not always it: a switch needs a significant test)."""
+    one applied marked."""
     if not plan.timed:
         return []
     applied = (plan.compiled_peak_bytes, plan.compiled_flops)
@@ -281,8 +240,7 @@ def _plot(plan: Plan, path: str) -> None:
         raise ImportError(
             f"`Plan.plot({path!r})` needs matplotlib, which is not installed. Install it with "
             "`pip install matplotlib` (or `pip install 'smartremat[bench]'`), or read the figures "
-            "from `plan.frontier()` instead."
-        ) from e
+            "from `plan.frontier()` instead.") from e
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     pts = plan.frontier()
     ax.step([p for p, _ in pts], [c / 1e9 for _, c in pts], "k.-", where="post", label="frontier (optimal plans)")
@@ -291,8 +249,7 @@ def _plot(plan: Plan, path: str) -> None:
         ax.annotate(short_name(name), (peak, cost / 1e9), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.scatter(plan.predicted_peak_bytes / MB, plan.recompute_flops / 1e9, s=80, c="red", zorder=4, label="this plan")
     ax.axvline(plan.budget_bytes / MB, color="red", ls="--", lw=1, label="budget")
-    ax.set_xlabel("predicted peak (MB)")
-    ax.set_ylabel("recompute (GFLOP)")
+    ax.set(xlabel="predicted peak (MB)", ylabel="recompute (GFLOP)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -45,24 +45,21 @@ def load_plan(source: str | os.PathLike | dict) -> Plan:
     The plan, with its per-block figures, its assignment and the profile its `frontier()`, `uniform()`
     and `plot()` read (a file written before `Plan.save` kept the profile has none).
     """
-    where = "the dict given" if isinstance(source, dict) else repr(os.fspath(source))
-    if isinstance(source, dict):
-        data = source
-    else:
+    where, data = "the dict given", source
+    if not isinstance(source, dict):
+        where = repr(os.fspath(source))
         try:
             with open(source) as f:
                 data = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise PlanFileError(
-                f"`load_plan({where})`: the file is not JSON ({e}); it may be truncated or not a plan "
-                "at all. Save the plan again with `plan.save(path)` (or plan again: leave `plan=None`)."
-            ) from None
+                f"`load_plan({where})`: the file is not JSON ({e}); it may be truncated or not a plan at all. "
+                "Save the plan again with `plan.save(path)` (or plan again: leave `plan=None`).") from None
     if not isinstance(data, dict) or "assignment" not in data or "signature" not in data:
         keys = sorted(data)[:8] if isinstance(data, dict) else type(data).__name__
         raise PlanFileError(
             f"`load_plan(source=...)` needs the JSON that `Plan.save` writes (with 'assignment' and "
-            f"'signature'); {where} holds {keys}. Save the plan with `plan.save(path)`."
-        )
+            f"'signature'); {where} holds {keys}. Save the plan with `plan.save(path)`.")
     try:
         plan = _plan_of(data)
     except PlanFileError as e:
@@ -71,8 +68,7 @@ def load_plan(source: str | os.PathLike | dict) -> Plan:
         what = f"the field {e.args[0]!r} is missing" if isinstance(e, KeyError) else f"a field is malformed ({e})"
         raise PlanFileError(
             f"`load_plan({where})`: {what}, so this is not a whole plan as `Plan.save` writes it. "
-            "Save the plan again with `plan.save(path)`, or plan again (leave `plan=None`)."
-        ) from None
+            "Save the plan again with `plan.save(path)`, or plan again (leave `plan=None`).") from None
     _check_rows(plan, where)
     return plan
 
@@ -82,14 +78,14 @@ class PlanFileError(ValueError):
 
 
 def _plan_of(data: dict) -> Plan:
+    mb = lambda key: round(data[key] * MB)
     return Plan(
-        budget_bytes=round(data["budget_mb"] * MB), predicted_peak_bytes=round(data["predicted_peak_mb"] * MB),
-        no_remat_peak_bytes=round(data["no_remat_peak_mb"] * MB),
-        full_remat_peak_bytes=round(data["full_remat_peak_mb"] * MB), min_peak_bytes=round(data["min_peak_mb"] * MB),
-        recompute_flops=data["recompute_flops"], forward_flops=data["forward_flops"],
-        blocks=tuple(_block(b) for b in data["blocks"]),
-        compiled_peak_bytes=None if data["compiled_peak_mb"] is None else round(data["compiled_peak_mb"] * MB),
-        compiled_flops=data["compiled_flops"], fixed_bytes=round(data["fixed_mb"] * MB),
+        budget_bytes=mb("budget_mb"), predicted_peak_bytes=mb("predicted_peak_mb"),
+        no_remat_peak_bytes=mb("no_remat_peak_mb"), full_remat_peak_bytes=mb("full_remat_peak_mb"),
+        min_peak_bytes=mb("min_peak_mb"), recompute_flops=data["recompute_flops"],
+        forward_flops=data["forward_flops"], blocks=tuple(_block(b) for b in data["blocks"]),
+        compiled_peak_bytes=None if data["compiled_peak_mb"] is None else mb("compiled_peak_mb"),
+        compiled_flops=data["compiled_flops"], fixed_bytes=mb("fixed_mb"),
         planning_seconds=data["planning_s"], compiles=data.get("compiles", 0),
         checked=tuple((round(p * MB), round(c * MB)) for p, c in data.get("checked_mb", [])),
         timed=tuple((round(t * MB), float(f), float(s)) for t, f, s in data.get("timed", [])),
@@ -107,24 +103,18 @@ def _block(b: dict) -> PlanBlock:
     return PlanBlock(str(b["path"]), str(b["type"]), int(b["calls"]), str(b["policy"]), options)
 
 
-def _rows_of(assignment: tuple) -> dict[str, str]:
-    """`{row label: option name}` that the assignment (what runs) implies, labelled as the
-    planner labels its rows: one per block, one per piece of a split scan."""
-    return {label: q.name for path, option in assignment for label, _, q in option.rows(path_str(path))}
-
-
 def _check_rows(plan: Plan, where: str) -> None:
     """Refuse a file whose printed rows (`blocks`) disagree with its `assignment` (what runs),
-    e.g. a `policy` edited by hand in one place only: what is shown must be what runs."""
-    rows = _rows_of(plan.assignment)
+    e.g. a `policy` edited by hand in one place only: what is shown must be what runs. `rows` are
+    `{row label: option name}` as the planner labels them (one per block, one per scan piece)."""
+    rows = {label: q.name for path, option in plan.assignment for label, _, q in option.rows(path_str(path))}
     claimed: set[str] = set()
     for b in plan.blocks:
         if not any(o.name == b.policy or b.policy in o.merged for o in b.options):
             raise PlanFileError(
                 f"`load_plan({where})`: block {b.path!r} names the policy {b.policy!r}, which is not "
                 f"among its options {[o.name for o in b.options]}. Edit it back to one of them, or plan "
-                "again (leave `plan=None`) and save that plan."
-            )
+                "again (leave `plan=None`) and save that plan.")
         runs, labels = rows.get(b.path), {b.path}
         if runs is None:  # a nested option: the block's sub-blocks are in the assignment
             children = _children(plan.assignment, b.path)
@@ -132,22 +122,19 @@ def _check_rows(plan: Plan, where: str) -> None:
         if runs is None:
             raise PlanFileError(
                 f"`load_plan({where})`: block {b.path!r} (policy {b.policy!r}) has no entry in the "
-                "plan's 'assignment', which is what runs. Re-plan, or edit both 'blocks' and 'assignment'."
-            )
+                "plan's 'assignment', which is what runs. Re-plan, or edit both 'blocks' and 'assignment'.")
         if runs != b.policy:
             raise PlanFileError(
                 f"`load_plan({where})`: block {b.path!r} is shown with the policy {b.policy!r} in "
                 f"'blocks' but runs {runs!r} by the 'assignment'; a plan must show what runs. Re-plan "
-                "(leave `plan=None`) and save that plan, or edit both 'blocks' and 'assignment'."
-            )
+                "(leave `plan=None`) and save that plan, or edit both 'blocks' and 'assignment'.")
         claimed |= labels
     unshown = [label for label in rows if label not in claimed]
     if unshown:
         raise PlanFileError(
             f"`load_plan({where})`: the 'assignment' (what runs) sets {unshown[0]!r} to "
             f"{rows[unshown[0]]!r}, which no row of 'blocks' shows. Re-plan (leave `plan=None`), "
-            "or edit both 'blocks' and 'assignment'."
-        )
+            "or edit both 'blocks' and 'assignment'.")
 
 
 def _children(assignment: tuple, label: str) -> dict[str, tuple]:
@@ -155,10 +142,9 @@ def _children(assignment: tuple, label: str) -> dict[str, tuple]:
     reads `label` (the sub-blocks a nested option checkpoints; a split scan is never one)."""
     out = {}
     for path, option in assignment:
-        for k in range(len(path)):
-            if path_str(path[:k]) == label and len(option.variants) == 1:
-                out[path_str(path)] = (path[k:], option)
-                break
+        k = next((k for k in range(len(path)) if path_str(path[:k]) == label), None)
+        if k is not None and len(option.variants) == 1:
+            out[path_str(path)] = (path[k:], option)
     return out
 
 
@@ -167,6 +153,5 @@ def _policy(name: str) -> Option:
     if not isinstance(name, str) or name not in _BY_NAME:
         raise PlanFileError(
             f"the plan names the policy {name!r}, which `load_plan` cannot rebuild from its name (only "
-            f"{sorted(_BY_NAME)} can be). Plan again with `smartremat(policies=[...])` instead of loading."
-        )
+            f"{sorted(_BY_NAME)} can be). Plan again with `smartremat(policies=[...])` instead of loading.")
     return _BY_NAME[name]

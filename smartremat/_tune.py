@@ -1,24 +1,9 @@
-"""`tune=True`: time the few best fitting candidates of the whole step and keep the fastest.
-
-Compiled FLOPs do not order step times (docs/facts.md, facts 5 and 17: on the CPU no remat is
-the slowest plan of the quick GPT and ResNet, memory traffic costing more than the recompute).
-With `tune=True` the search's choice (the fewest compiled FLOPs that fit) is timed beside every
-uniform plan and up to `TUNE_FRONTIER` frontier points of lower predicted peak, each compiled as
-the step that runs; those whose compiled temp bytes fit are run on synthetic inputs of the step's
-shapes, in interleaved rounds (more for short steps: `rounds_for`), and the one of the lowest
-median time wins (ties: the search's choice). Two compiles of one program differ by no more than
-two halves of one compile's rounds (docs/facts.md, fact 18): the noise is in the sampling, not a
-per-compile offset, and a switch on it costs what it is within. The rule was chosen on simulated
-tunings over measured rounds (fact 19, `studies/tune_rules.py`; two runs, one with rotated and
-one with shuffled rounds): on the quick GPT and ResNet the lowest median missed fewer switches to
-plans 3-11% faster than keeping the search's choice unless a signed-rank test said another was
-faster, and no other statistic (mean, lower quartile, minimum, a per-round paired ratio) did better
-in both runs. Where the candidates differ by less than the noise, any rule that times picks worse
-than the search's choice (the tutorial stack in the shuffled run).
-
-The times of a set of candidates are kept in this process (keyed by each one's step, signature,
-plan, backend and flags), and a tuned plan is stored in the disk plan cache like any plan: the same
-machine plans the same step the same way again without timing it.
+"""`tune=True`: time the few best fitting candidates of the whole step and keep the fastest
+(docs/how-it-works.md, step 5). Compiled FLOPs do not order step times (docs/facts.md, facts 5 and
+17). Timing noise is sampling noise, not a per-compile offset (fact 18); on simulated tunings over
+measured rounds (fact 19, `studies/tune_rules.py`) the lowest median missed fewer switches to plans
+3-11% faster than a signed-rank test or any other statistic tried. The times are kept in this
+process, and a tuned plan is stored on disk like any plan.
 """
 
 from __future__ import annotations
@@ -42,16 +27,14 @@ from ._search import Choice, Outcome, CandidateFigures, spread
 TUNE_FRONTIER = 3
 #: Interleaved timing rounds per candidate at least (after two warm-up runs each); the median counts.
 TUNE_ROUNDS = 25
-#: Shorter steps get more rounds: as many as take about `TUNE_SECONDS` per candidate, up to
-#: `TUNE_MAX_ROUNDS` (`rounds_for`). In simulated tunings of the lone tutorial block (20 ms steps,
-#: docs/facts.md, fact 19) the lowest median of 25 rounds picked a plan judged over 3% slower than
-#: the fastest in 38% of trials, of 100 rounds in 6%.
+#: Shorter steps get rounds for about `TUNE_SECONDS` per candidate, up to `TUNE_MAX_ROUNDS`: on the
+#: lone tutorial block (20 ms steps, docs/facts.md, fact 19) 25 rounds picked a plan over 3% slower
+#: than the fastest in 38% of simulated tunings, 100 rounds in 6%.
 TUNE_SECONDS = 2.0
 TUNE_MAX_ROUNDS = 200
-#: The seed of `round_orders`.
-ORDER_SEED = 0
-#: Synthetic floating inputs are uniform in `[-SCALE, SCALE]`: small enough that a deep stack of
-#: them neither overflows nor reaches denormals, which would time other arithmetic.
+ORDER_SEED = 0  #: the seed of `round_orders`
+#: Synthetic floating inputs are uniform in `[-SCALE, SCALE]`: a deep stack of them neither
+#: overflows nor reaches denormals, which would time other arithmetic.
 SCALE = 0.05
 
 
@@ -73,14 +56,13 @@ def synthetic(avals: Sequence[jax.ShapeDtypeStruct], seed: int = 0) -> tuple[jax
     """Concrete arrays of `avals`' shapes and dtypes (placed with their shardings where those are
     concrete): small uniform floats, zeros otherwise (valid indices, `False` masks, PRNG keys)."""
     keys = jax.random.split(jax.random.key(seed), max(len(avals), 1))
-    out = []
-    for k, a in zip(keys, avals):
-        if jnp.issubdtype(a.dtype, jnp.floating) or jnp.issubdtype(a.dtype, jnp.complexfloating):
-            x = jax.random.uniform(k, a.shape, jnp.float32, -SCALE, SCALE).astype(a.dtype)
-        else:
-            x = jnp.zeros(a.shape, a.dtype)
-        out.append(_placed(x, getattr(a, "sharding", None)))
-    return tuple(out)
+    return tuple(_placed(_array(k, a), getattr(a, "sharding", None)) for k, a in zip(keys, avals))
+
+
+def _array(key: jax.Array, a: jax.ShapeDtypeStruct) -> jax.Array:
+    if jnp.issubdtype(a.dtype, jnp.floating) or jnp.issubdtype(a.dtype, jnp.complexfloating):
+        return jax.random.uniform(key, a.shape, jnp.float32, -SCALE, SCALE).astype(a.dtype)
+    return jnp.zeros(a.shape, a.dtype)
 
 
 def _placed(x: jax.Array, sharding: Any) -> jax.Array:
@@ -97,10 +79,8 @@ def _placed(x: jax.Array, sharding: Any) -> jax.Array:
 def timings(steps: Sequence[Timed], rounds: int | None = None) -> list[tuple[float, ...]]:
     """Seconds per call of each step in each of `rounds` interleaved rounds (after two warm-up
     calls each; by default `rounds_for` the warm steps' median time), so that drift falls on all
-    alike and rounds pair up; each round in a fresh order (`round_orders`), so that no step always
-    runs right after the same one (docs/facts.md, fact 18). The steps are compiled in parallel and
-    share one set of synthetic inputs per signature. Kept per set of steps: the same candidates are
-    timed once per process."""
+    alike; each round in a fresh order (`round_orders`, docs/facts.md, fact 18). The steps are
+    compiled in parallel and share synthetic inputs per signature; timed once per process."""
     return list(_TIMES.get((tuple(s.key for s in steps), rounds), lambda: _time_steps(steps, rounds)))
 
 
@@ -114,9 +94,8 @@ def rounds_for(seconds: float, per_step: float = TUNE_SECONDS, floor: int = TUNE
 def _time_steps(steps: Sequence[Timed], rounds: int | None) -> tuple[tuple[float, ...], ...]:
     with ThreadPoolExecutor(max(1, min(len(steps), 2))) as pool:
         executables = list(pool.map(lambda s: s.build(), steps))
-    inputs: dict[tuple, tuple] = {}  # one set of synthetic inputs per signature: candidates share it
-    for s in steps:
-        inputs.setdefault(_signature(s.avals), synthetic(s.avals))
+    inputs = {_signature(s.avals): s.avals for s in steps}  # candidates of one signature share inputs
+    inputs = {sig: synthetic(avals) for sig, avals in inputs.items()}
     runs = [TimedRun(e, inputs[_signature(s.avals)], s.donated) for e, s in zip(executables, steps)]
     warm = [[r.once(), r.once()][1] for r in runs]  # warm-up
     rounds = rounds_for(statistics.median(warm)) if rounds is None else rounds
@@ -129,9 +108,8 @@ def _time_steps(steps: Sequence[Timed], rounds: int | None) -> tuple[tuple[float
 
 def round_orders(n: int, rounds: int, seed: int = ORDER_SEED) -> list[list[int]]:
     """The order of `n` steps in each of `rounds` interleaved rounds: shuffled afresh each round
-    (seeded: every process times alike). A step run right after a memory-hungry one (the step
-    without remat) is usually slowed, by up to 23% on this CPU (docs/facts.md, fact 18), and an order
-    only rotated from round to round keeps each step's predecessor: one step always paid for it."""
+    (seeded: every process times alike). A step run right after a memory-hungry one is slowed, by
+    up to 23% on this CPU (docs/facts.md, fact 18): a merely rotated order makes one step pay."""
     rng = random.Random(seed)
     return [rng.sample(range(n), n) for _ in range(rounds)]
 

@@ -3,9 +3,8 @@
 The decorator cannot see the user's loss (it runs inside it), so it compiles the gradient of the
 module's parameters under losses users write and keeps the largest figure: the squared error and
 the softmax cross-entropy (soft targets and integer labels) of every floating output, against
-targets that are inputs of the step.
-A constant cotangent (`jnp.sum(out)` as the loss) lets XLA simplify the backward, so it is never
-used here. With `smartremat(loss=...)` the user's own loss is the only one compiled.
+targets that are inputs of the step (never `jnp.sum(out)`: a constant cotangent lets XLA simplify
+the backward). With `smartremat(loss=...)` the user's own loss is the only one compiled.
 """
 
 from __future__ import annotations
@@ -40,45 +39,35 @@ def _like(o: Any, shape: tuple, dtype: Any) -> jax.ShapeDtypeStruct:
 
 
 @dataclass(frozen=True)
-class SquaredError:
-    """Mean squared error of every floating output leaf against a target of its shape."""
+class RealLoss:
+    """A loss on every floating output leaf: the mean squared error against a target of its shape
+    (`kind="squared"`), or the softmax cross-entropy over its last axis against soft targets
+    (`"soft"`, same shape) or integer labels (`"labels"`, the leading axes); the cross-entropy of a
+    scalar leaf is its squared error."""
+
+    kind: str = "squared"
 
     def targets(self, out: Any) -> tuple:
-        return tuple(_like(o, o.shape, o.dtype) for o in floating_leaves(out))
-
-    def __call__(self, out: Any, *targets: jax.Array) -> jax.Array:
-        return sum((jnp.mean((o.astype(jnp.float32) - t.astype(jnp.float32)) ** 2)
-                    for o, t in zip(floating_leaves(out), targets, strict=True)), jnp.float32(0))
-
-
-@dataclass(frozen=True)
-class CrossEntropy:
-    """Softmax cross-entropy over the last axis of every floating output leaf, against soft
-    targets (`labels=False`, same shape) or integer labels (`labels=True`, the leading axes);
-    a scalar output leaf gets the squared error."""
-
-    labels: bool = False
-
-    def targets(self, out: Any) -> tuple:
-        return tuple(_like(o, o.shape[:-1], jnp.int32) if self.labels and o.ndim else _like(o, o.shape, o.dtype)
-                     for o in floating_leaves(out))
+        return tuple(_like(o, o.shape[:-1], jnp.int32) if self.kind == "labels" and o.ndim
+                     else _like(o, o.shape, o.dtype) for o in floating_leaves(out))
 
     def __call__(self, out: Any, *targets: jax.Array) -> jax.Array:
         total = jnp.float32(0)
         for o, t in zip(floating_leaves(out), targets, strict=True):
             o = o.astype(jnp.float32)
-            if o.ndim == 0:
-                total = total + (o - t.astype(jnp.float32)) ** 2
+            if self.kind == "squared" or o.ndim == 0:
+                error = (o - t.astype(jnp.float32)) ** 2
+                total = total + (jnp.mean(error) if self.kind == "squared" else error)
                 continue
             logp = jax.nn.log_softmax(o, axis=-1)
-            picked = (jnp.take_along_axis(logp, t[..., None], axis=-1) if self.labels
+            picked = (jnp.take_along_axis(logp, t[..., None], axis=-1) if self.kind == "labels"
                       else logp * t.astype(jnp.float32))  # soft targets in the output's dtype
             total = total - jnp.mean(jnp.sum(picked, axis=-1))
         return total
 
 
 #: The losses the decorator holds plans against when the user gives none.
-DEFAULT_LOSSES = (SquaredError(), CrossEntropy(), CrossEntropy(labels=True))
+DEFAULT_LOSSES = (RealLoss("squared"), RealLoss("soft"), RealLoss("labels"))
 
 
 def abstract_args(given: Any) -> tuple:
@@ -86,22 +75,15 @@ def abstract_args(given: Any) -> tuple:
     (one argument if a single one is given; `None` is no argument), shardings kept."""
     given = () if given is None else tuple(given) if isinstance(given, (tuple, list)) else (given,)
     leaves, treedef = jax.tree.flatten(given)
-
-    def struct(a: Any) -> jax.ShapeDtypeStruct:
-        sharding = getattr(a, "sharding", None)
-        return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), sharding=sharding,
-                                    weak_type=getattr(a, "weak_type", False))
-
-    return treedef, tuple(struct(a) for a in leaves)
+    structs = (jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), sharding=getattr(a, "sharding", None),
+                                    weak_type=getattr(a, "weak_type", False)) for a in leaves)
+    return treedef, tuple(structs)
 
 
 @dataclass(frozen=True)
 class UserLoss:
-    """`smartremat(loss=fn, loss_args=...)`: `fn(output, *loss_args)` is the user's loss.
-
-    `args` is `abstract_args(...)` of the extra arguments, or a function from the output's
-    shapes to them (when they depend on the batch).
-    """
+    """`smartremat(loss=fn, loss_args=...)`: `fn(output, *loss_args)` is the user's loss. `args` is
+    `abstract_args(...)` of the extra arguments, or a function from the output's shapes to them."""
 
     fn: Callable[..., jax.Array]
     args: Any = ()
@@ -114,7 +96,7 @@ class UserLoss:
         return self.fn(out, *targets)
 
 
-def loss_step(f: Callable, spec: CallSpec, loss: SquaredError | CrossEntropy) -> tuple[Callable, tuple]:
+def loss_step(f: Callable, spec: CallSpec, loss: Any) -> tuple[Callable, tuple]:
     """`(step, avals)`: `step(*dynamic, *targets)` is the gradient of `loss(f(...), *targets)`
     w.r.t. the module's floating leaves (its parameters); `avals` are its abstract inputs."""
     diff_idx, g = split_diff(f, spec, n_module_leaves(spec))
@@ -143,8 +125,8 @@ def compiled_one(call: Callable, spec: CallSpec, assignment: Assignment, loss: A
                  options: dict | None = None) -> tuple[int, float]:
     """`(temp bytes, flops)` of the training step under `assignment` and one loss, compiled with
     XLA `options` (`_env.measuring_options()` by default: the figures of the step that runs)."""
-    key = (spec.key(), call, assignment_key(assignment), loss, _options_key(options), *environment_key())
-
+    options_key = None if options is None else tuple(sorted(options.items()))
+    key = (spec.key(), call, assignment_key(assignment), loss, options_key, *environment_key())
     return _CACHE.get(key, lambda: compiled_temp(*loss_step(_planned(call, spec, assignment), spec, loss), options))
 
 
@@ -163,10 +145,6 @@ def timed_step(call: Callable, spec: CallSpec, assignment: Assignment, loss: Any
             return jax.jit(step).lower(*avals).compile()
 
     return Timed((spec.key(), call, assignment_key(assignment), loss, *environment_key()), executable, avals)
-
-
-def _options_key(options: dict | None) -> tuple | None:
-    return None if options is None else tuple(sorted(options.items()))
 
 
 def assignment_key(assignment: Assignment) -> tuple:
