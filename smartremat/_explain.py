@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import equinox as eqx
 
 from ._module_plan import get_plan
-from ._decorator import checked_budget_mb, config_of, loaded_plan, make_config
+from ._decorator import checked_budget_mb, config_of, loaded_plan, make_config, smartremat
 from ._plan import Plan
 from ._env import MB
 from ._spec import make_spec, vmapped_spec
@@ -69,3 +70,15 @@ def explain(model: Any, *args: Any, budget_mb: float | None = None, vmap: bool |
     if config.plan is not None:  # the model runs the saved plan it was given: that is what to explain
         return loaded_plan(config.plan, call, spec)
     return get_plan(call, spec, module, config)
+
+
+def _old_spelling(model: Any, *args: Any, **kwargs: Any) -> Plan:
+    """`smartremat.explain` where `smartremat` is the decorator (`from smartremat import smartremat`),
+    as earlier versions allowed: `explain`, with a warning naming the package's function."""
+    warnings.warn("`explain` is a function of the package, not an attribute of the decorator: use "
+                  "`smartremat.explain(...)` after `import smartremat`, or `from smartremat import explain`. "
+                  "The decorator's `explain` will be removed.", DeprecationWarning, stacklevel=2)
+    return explain(model, *args, **kwargs)
+
+
+smartremat.explain = _old_spelling  # type: ignore[attr-defined]

@@ -63,7 +63,7 @@ class PlannedStep:
         `.compile().memory_analysis()` then gives the compiler's figures of the step that runs."""
         (entry, _, _), _ = self._entry(args, kwargs)
         lowered, box = lower_step(entry.sig, (entry.classes, entry.assignments), self.options.donate)
-        return Lowered(lowered, entry.sig, box, self.__wrapped__)
+        return Lowered(lowered, entry.sig, box, self.__wrapped__, self._bound)
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The `Plan` for these arguments (made on first use): what `smartremat.explain` returns."""
@@ -82,22 +82,22 @@ class PlannedStep:
 class Lowered:
     """The lowered planned step: `.compile()` gives a `Compiled`; `.as_text()` its StableHLO."""
 
-    def __init__(self, lowered: Any, sig: Signature, box: Box, fun: Callable):
-        self.lowered, self._sig, self._box, self._fun = lowered, sig, box, fun
+    def __init__(self, lowered: Any, sig: Signature, box: Box, fun: Callable, bound: tuple = ()):
+        self.lowered, self._sig, self._box, self._fun, self._bound = lowered, sig, box, fun, bound
 
     def as_text(self) -> str:
         return self.lowered.as_text()
 
     def compile(self) -> Compiled:
-        return Compiled(compile_quietly(self.lowered), self._sig, self._box, self._fun)
+        return Compiled(compile_quietly(self.lowered), self._sig, self._box, self._fun, self._bound)
 
 
 class Compiled:
     """The compiled planned step: called with the step's arguments; `memory_analysis()` and
     `cost_analysis()` are the compiler's (per device when sharded)."""
 
-    def __init__(self, compiled: Any, sig: Signature, box: Box, fun: Callable):
-        self.compiled, self._sig, self._box, self._fun = compiled, sig, box, fun
+    def __init__(self, compiled: Any, sig: Signature, box: Box, fun: Callable, bound: tuple = ()):
+        self.compiled, self._sig, self._box, self._fun, self._bound = compiled, sig, box, fun, bound
 
     def memory_analysis(self) -> Any:
         return self.compiled.memory_analysis()
@@ -106,7 +106,7 @@ class Compiled:
         return self.compiled.cost_analysis()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        sig, dynamic = split_args(self._fun, *bind(self._fun, args, kwargs))
+        sig, dynamic = split_args(self._fun, *bind(self._fun, (*self._bound, *args), kwargs))
         if sig.key()[:2] != self._sig.key()[:2]:
             raise ValueError("This compiled step was lowered for other arguments (structure or static "
                              "values); lower and compile it for these.")

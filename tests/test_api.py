@@ -2,6 +2,7 @@ import json
 import sys
 
 import jax
+import pytest
 import jax.numpy as jnp
 
 import smartremat
@@ -21,7 +22,7 @@ def test_public_names():
         "smartremat"}
     assert callable(filter_jit)
     assert smartremat.smartremat is smartremat_decorator
-    assert not hasattr(smartremat_decorator, "explain")  # `explain` is the package's function, not the decorator's
+    assert smartremat.explain is explain and smartremat.explain is not getattr(smartremat_decorator, "explain")
     assert MB == 2**20
     assert all(isinstance(t, type) for t in (Plan, PlanBlock, PolicyFigures, SmartRemat))
 
@@ -53,6 +54,16 @@ def test_instance_form_shares_arrays():
     assert all(x is y for x, y in zip(jax.tree.leaves(wrapped), jax.tree.leaves(model)))
     x = jnp.ones((4, 64))
     assert tree_allclose(wrapped(x), model(x))
+
+
+def test_the_decorators_explain_is_the_packages_with_a_warning_naming_it():
+    # `from smartremat import smartremat` then `smartremat.explain(...)`, as earlier versions allowed
+    model = TutorialBlock(64, 512, jax.random.key(2))
+    x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    with pytest.warns(DeprecationWarning, match=r"`smartremat.explain\(...\)` after `import smartremat`, or "
+                                                r"`from smartremat import explain`"):
+        plan = smartremat_decorator.explain(model, x, budget_mb=4)  # type: ignore[attr-defined]
+    assert plan == explain(model, x, budget_mb=4)
 
 
 def test_explain_both_spellings_and_json():

@@ -127,6 +127,8 @@ def test_a_method_binds_its_instance_as_eqx_filter_jit_does():
     assert any(b.policy != "none" for b in plan.blocks)
     assert tree_allclose(trainer.grads(x, y), trainer.plain_grads(x, y), rtol=1e-6)
     assert _temp(trainer.grads, x, y) == plan.compiled_peak_bytes
+    compiled = trainer.grads.lower(x, y).compile()  # the bound instance goes with it, as in a call
+    assert tree_allclose(compiled(x, y), trainer.plain_grads(x, y), rtol=1e-6)
 
 
 def test_auto_budget_is_the_device_memory_less_arguments_outputs_and_reserve(monkeypatch):
