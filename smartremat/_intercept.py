@@ -191,9 +191,7 @@ class BlockContext:
             self.by_id[id(copy)] = index
 
     def dispatch(self, obj: Any, call: Callable, args: tuple, kwargs: dict) -> Any:
-        if self.depth:
-            return _PASS
-        index = self.claim(obj)
+        index = None if self.depth else self.claim(obj)  # a call inside a claimed call is that block's
         if index is None:
             return _PASS
         self.depth += 1
