@@ -271,14 +271,11 @@ def expand_stacks(calls: list[BlockCall], depth: int = 0) -> list[BlockCall]:
     if depth >= _MAX_DEPTH:
         return calls
     out: list[BlockCall] = []
-    for c in calls:
-        inner = _stack_of(c)
-        if inner is None:
-            out.append(c)
-            continue
-        out += expand_stacks([dataclasses.replace(s, path=c.path + s.path, ends=c.ends and s.ends,
-                                                  unplanned=(c.unplanned if k == 0 else ()) + s.unplanned)
-                              for k, s in enumerate(inner)], depth + 1)  # the reasons stay on the first call
+    for c in calls:  # the reasons why blocks are not planned stay on the first call
+        inner = [dataclasses.replace(s, path=c.path + s.path, ends=c.ends and s.ends,
+                                     unplanned=(c.unplanned if k == 0 else ()) + s.unplanned)
+                 for k, s in enumerate(_stack_of(c))]
+        out += expand_stacks(inner, depth + 1) if inner else [c]
     return out
 
 
@@ -309,15 +306,14 @@ def sub_calls(call: BlockCall) -> list[BlockCall]:
     return [] if any(s.path == () or s.unplanned for s in inner) else inner
 
 
-def _stack_of(c: BlockCall) -> list[BlockCall] | None:
+def _stack_of(c: BlockCall) -> list[BlockCall]:
+    """The block's sub-block calls if it runs a stack (see `expand_stacks`), else `[]`: it stays whole."""
     inner = [] if c.path == () or c.scan is not None else sub_calls(c)
-    if not inner:  # not all its blocks plannable: it stays whole
-        return None
     if any(s.scan is not None for s in inner):  # a wrapper around a scanned stack: its layers are the blocks
         return inner
     distinct = list(dict((s.path, s) for s in inner).values())
     types = Counter(s.type_name for s in distinct)
-    return inner if any(types[s.type_name] > 1 and _composite(s) for s in distinct) else None
+    return inner if any(types[s.type_name] > 1 and _composite(s) for s in distinct) else []
 
 
 def _composite(c: BlockCall) -> bool:
