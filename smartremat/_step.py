@@ -372,7 +372,6 @@ def figures_of(compiled: Any) -> StepFigures:
 def step_key(sig: Signature, entry_of: tuple, donate: str) -> tuple:
     """What a compiled step depends on: signature, each module call's plan, donation, backend and
     flags (a key for `step_figures` and `tune=True`'s times)."""
-
     return (sig.key(), tuple(assignment_key(a) for a in entry_of[1]), donate, *environment_key())
 
 
