@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ from . import _intercept
 from ._cost import aval_bytes, floating_leaves
 from ._paths import Path, get_at, path_str
 from ._spec import CallSpec, make_spec
+
 
 def _walk(value: Any, path: Path) -> Iterator[tuple[Path, Any]]:
     if isinstance(value, eqx.nn.Sequential):
@@ -35,11 +37,8 @@ def _walk(value: Any, path: Path) -> Iterator[tuple[Path, Any]]:
 
 def child_modules(module: eqx.Module) -> list[tuple[Path, Any]]:
     """Callable sub-modules one level down, looking into lists, tuples, dicts and Sequential."""
-    found = []
-    for f in dataclasses.fields(module):
-        if hasattr(module, f.name):
-            found.extend(_walk(getattr(module, f.name), (("attr", f.name),)))
-    return found
+    return [found for f in dataclasses.fields(module) if hasattr(module, f.name)
+            for found in _walk(getattr(module, f.name), (("attr", f.name),))]
 
 
 def _find_path(module: Any, target: Any, path: Path = ()) -> Path | None:
@@ -53,13 +52,9 @@ def _find_path(module: Any, target: Any, path: Path = ()) -> Path | None:
         items = [(("key", k), v) for k, v in module.items()]
     else:
         return None
-    for step, v in items:
-        if v is None or isinstance(v, jax.Array):
-            continue
-        found = _find_path(v, target, path + (step,))
-        if found is not None:
-            return found
-    return None
+    found = (_find_path(v, target, path + (step,)) for step, v in items
+             if v is not None and not isinstance(v, jax.Array))
+    return next((f for f in found if f is not None), None)
 
 
 def named_blocks(module: eqx.Module, blocks: Callable) -> list[tuple[Path, Any]]:
@@ -70,59 +65,48 @@ def named_blocks(module: eqx.Module, blocks: Callable) -> list[tuple[Path, Any]]
         raise ValueError(
             f"`smartremat(blocks=...)` raised {type(e).__name__}: {e} when called on the module. "
             "`blocks` should be a function from the module to a sub-module or a sequence of "
-            "them, e.g. `blocks=lambda m: m.layers`."
-        ) from e
+            "them, e.g. `blocks=lambda m: m.layers`.") from e
     if isinstance(chosen, eqx.nn.Sequential):
-        chosen = list(chosen.layers)
-    items = list(chosen) if isinstance(chosen, (list, tuple)) else [chosen]
+        chosen = chosen.layers
     out = []
-    for item in items:
+    for item in chosen if isinstance(chosen, (list, tuple)) else [chosen]:
         path = _find_path(module, item)
         if not callable(item) or not isinstance(item, eqx.Module) or path is None:
             raise ValueError(
                 f"`smartremat(blocks=...)` returned {_describe(item)}, which is "
                 "not a callable `eqx.Module` inside the decorated module. Return sub-modules "
-                "of the module it is given, e.g. `blocks=lambda m: m.layers`."
-            )
+                "of the module it is given, e.g. `blocks=lambda m: m.layers`.")
         out.append((path, item))
     if not out:
         raise ValueError(
             "`smartremat(blocks=...)` returned no sub-modules. Return at least one callable "
-            "sub-module, e.g. `blocks=lambda m: m.layers`, or leave `blocks=None` to find them."
-        )
+            "sub-module, e.g. `blocks=lambda m: m.layers`, or leave `blocks=None` to find them.")
     return out
 
 
 def _describe(x: Any) -> str:
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return f"an array ({x.dtype}{list(x.shape)})"
-    return f"{type(x).__name__} {_short(x)}"
-
-
-def _short(x: Any) -> str:
     r = repr(x)
-    return r if len(r) < 60 else r[:57] + "..."
+    return f"{type(x).__name__} {r if len(r) < 60 else r[:57] + '...'}"
 
 
 @dataclass(frozen=True)
 class ScanSite:
     """Where a block runs under `jax.lax.scan`: the scan's index among the forward's top-level
-    equations, its trip count and direction."""
+    equations, its trip count, direction and per-iteration bytes of scanned slices (per device)."""
 
     eqn: int
     length: int
     reverse: bool
-    xs_bytes: int = 0  # per iteration: bytes of the scanned operands' slices (per device)
+    xs_bytes: int = 0
 
 
 @dataclass(frozen=True)
 class BlockCall:
-    """One call of a candidate block during the forward, with its abstract signature.
-
-    `scan` is set when the call is the body of a top-level `jax.lax.scan`: it then runs
-    `scan.length` times, with the per-iteration signature `spec`. `ends` is set when the
-    module returns this call's floating outputs as they are, so that the loss is taken on them.
-    """
+    """One call of a candidate block during the forward, with its abstract signature. `scan` is set
+    when the call is the body of a top-level `jax.lax.scan` (it runs `scan.length` times, `spec` is
+    per iteration); `ends` when the module returns its floating outputs as they are (the loss's input)."""
 
     path: Path
     type_name: str
@@ -136,16 +120,12 @@ _PROBE_SCOPE = "smartremat_probe_"
 _LOOPS = ("scan", "while")
 
 
-def _serials(eqn: jcore.JaxprEqn) -> set[int]:
-    return {int(s) for s in re.findall(_PROBE_SCOPE + r"(\d+)", str(getattr(eqn.source_info, "name_stack", "")))}
-
-
 def _contexts(jaxpr: jcore.Jaxpr, ctx: tuple = ()) -> Iterator[tuple[int, tuple]]:
     """`(serial, enclosing)` for every probed call's equations; `enclosing` lists the
     `(top-level index, equation)` of each equation holding a sub-jaxpr around it."""
     for k, eqn in enumerate(jaxpr.eqns):
-        for s in _serials(eqn):
-            yield s, ctx
+        for s in re.findall(_PROBE_SCOPE + r"(\d+)", str(getattr(eqn.source_info, "name_stack", ""))):
+            yield int(s), ctx
         for sub in subjaxprs(eqn):
             yield from _contexts(sub, ctx + ((k, eqn),))
 
@@ -178,21 +158,14 @@ def _sites(jaxpr: jcore.Jaxpr) -> dict[int, ScanSite | None | str]:
             site = ScanSite(k, n, bool(e.params["reverse"]), sum(aval_bytes(v.aval) for v in xs) // max(n, 1))
         else:
             site = _loop_kind([e for _, e in loops], [e for _, e in ctx])
-        out.setdefault(serial, site)
-        if out[serial] != site:
-            out[serial] = "more than one place"
+        out[serial] = site if out.get(serial, site) == site else "more than one place"
     return out
 
 
-def discover(
-    module: eqx.Module, call: Callable, spec: CallSpec, blocks: Callable | None
-) -> list[BlockCall]:
-    """Run the forward abstractly, watching the candidates' calls; return calls in order.
-
-    A block that is the body of a top-level `jax.lax.scan` is one call with its `ScanSite`.
-    If no candidate is called (e.g. a Module holding only arrays), the module's own call is
-    the one block.
-    """
+def discover(module: eqx.Module, call: Callable, spec: CallSpec, blocks: Callable | None) -> list[BlockCall]:
+    """Run the forward abstractly, watching the candidates' calls; return calls in order. A block
+    that is the body of a top-level `jax.lax.scan` is one call with its `ScanSite`. If no candidate
+    is called (e.g. a Module holding only arrays), the module's own call is the one block."""
     candidates = named_blocks(module, blocks) if blocks is not None else child_modules(module)
     recorded: list[tuple[int, CallSpec | None]] = []
     paths = [p for p, _ in candidates]
@@ -240,22 +213,24 @@ def discover(
     calls = [c for c in calls if c.path not in unplanned]
     if blocks is not None:
         _warn_uncalled(candidates, {i for i, _ in recorded})
-    if blocks is None:  # a parameter-free layer (dropout, an activation) is part of its neighbours' cost
-        calls = [c for c in calls if _holds_arrays(c.spec)] or calls
+    else:  # a parameter-free layer (dropout, an activation) is part of its neighbours' cost
+        calls = [c for c in calls if _module_leaves(c.spec) > 0] or calls
     calls = _last_ends(calls)
-    if not calls:
-        if blocks is not None and unplanned:  # never fall back to the whole module past the user's choice
+    if not calls and blocks is not None:  # never fall back to the whole module past the user's choice
+        if unplanned:
             raise ValueError(
                 "`smartremat(blocks=...)` named only sub-modules that smartremat leaves as they run: "
                 + "; ".join(unplanned.values()) + ". Name sub-modules called outside such loops, or pass "
                 "`blocks=None` to plan the module around them.")
-        if blocks is not None:
-            raise ValueError(
-                "`smartremat(blocks=...)` named sub-modules that the module's forward never "
-                "calls. Name the sub-modules its `__call__` uses."
-            )
-        return [BlockCall((), type(module).__name__, spec, ends=True, unplanned=tuple(unplanned.values()))]
-    return [dataclasses.replace(calls[0], unplanned=tuple(unplanned.values())), *calls[1:]] if unplanned else calls
+        raise ValueError("`smartremat(blocks=...)` named sub-modules that the module's forward never "
+                         "calls. Name the sub-modules its `__call__` uses.")
+    calls = calls or [BlockCall((), type(module).__name__, spec, ends=True)]  # the module is its own block
+    return _with_reasons(calls, tuple(unplanned.values()))
+
+
+def _with_reasons(calls: list[BlockCall], reasons: tuple[str, ...]) -> list[BlockCall]:
+    """`calls` with `reasons` (why other blocks are not planned) on the first call."""
+    return [dataclasses.replace(calls[0], unplanned=reasons), *calls[1:]] if reasons else calls
 
 
 def _returning(outputs: dict[int, list], final: list) -> list[int]:
@@ -280,10 +255,10 @@ def _warn_uncalled(candidates: list[tuple[Path, Any]], called: set[int]) -> None
             "uses (or leave `blocks=None`).", stacklevel=4)
 
 
-def _holds_arrays(spec: CallSpec) -> bool:
-    """Whether the called module (the spec's first pytree) has array leaves of its own."""
+def _module_leaves(spec: CallSpec) -> int:
+    """How many traced (array) leaves the called module (the spec's first pytree) has."""
     n = jax.tree_util.treedef_children(spec.treedef)[0].num_leaves
-    return n > sum(1 for i, _ in spec.static if i < n)
+    return n - sum(1 for i, _ in spec.static if i < n)
 
 
 _MAX_DEPTH = 3
@@ -291,20 +266,16 @@ _MAX_DEPTH = 3
 
 def expand_stacks(calls: list[BlockCall], depth: int = 0) -> list[BlockCall]:
     """Each block that runs a stack of layers (two or more sub-blocks of one class that have
-    sub-modules of their own, e.g. BERT's `encoder` with its `layers`) replaced by its own sub-blocks, in call order, so that every
-    layer of the stack is a block of its own; repeated to `_MAX_DEPTH` levels. A block whose
-    sub-blocks are scanned, or that smartremat cannot look into, stays whole."""
+    sub-modules of their own, e.g. BERT's `encoder` with its `layers`) replaced by its sub-blocks,
+    in call order, to `_MAX_DEPTH` levels. A block smartremat cannot look into stays whole."""
     if depth >= _MAX_DEPTH:
         return calls
     out: list[BlockCall] = []
-    for c in calls:
-        inner = _stack_of(c)
-        if inner is None:
-            out.append(c)
-            continue
-        out += expand_stacks([dataclasses.replace(s, path=c.path + s.path, ends=c.ends and s.ends,
-                                                  unplanned=(c.unplanned if k == 0 else ()) + s.unplanned)
-                              for k, s in enumerate(inner)], depth + 1)  # the reasons stay on the first call
+    for c in calls:  # the reasons why blocks are not planned stay on the first call
+        inner = [dataclasses.replace(s, path=c.path + s.path, ends=c.ends and s.ends,
+                                     unplanned=(c.unplanned if k == 0 else ()) + s.unplanned)
+                 for k, s in enumerate(_stack_of(c))]
+        out += expand_stacks(inner, depth + 1) if inner else [c]
     return out
 
 
@@ -316,42 +287,42 @@ def expanded(module: eqx.Module, call: Callable, spec: CallSpec, found: list[Blo
     calls = expand_stacks(found)
     if all(c.scan is None or any(f.path == c.path for f in found) for c in calls):
         return calls
-    paths = [c.path for c in dict((c.path, c) for c in calls).values()]
+    paths = list(dict.fromkeys(c.path for c in calls))
     try:
         again = discover(module, call, spec, lambda m: [get_at(m, p) for p in paths])
     except (NotImplementedError, ValueError):
         return found
     if any(c.unplanned for c in again):
         return found
-    reasons = tuple(dict.fromkeys(r for c in found for r in c.unplanned))  # the outer module's, kept
-    return [dataclasses.replace(again[0], unplanned=reasons), *again[1:]] if reasons else again
+    return _with_reasons(again, tuple(dict.fromkeys(r for c in found for r in c.unplanned)))  # the outer module's
 
 
-def _stack_of(c: BlockCall) -> list[BlockCall] | None:
-    if c.path == () or c.scan is not None:
-        return None
-    module = c.spec.rebuild(c.spec.dynamic)[0]
+def sub_calls(call: BlockCall) -> list[BlockCall]:
+    """The calls of the block's own sub-blocks, or `[]` where smartremat cannot plan them all."""
     try:
-        inner = discover(module, call_module, c.spec, None)
+        inner = discover(call.spec.rebuild(call.spec.dynamic)[0], call_module, call.spec, None)
     except (NotImplementedError, ValueError):
-        return None
-    if any(s.path == () or s.unplanned for s in inner):  # not all its blocks plannable: it stays whole
-        return None
+        return []
+    return [] if any(s.path == () or s.unplanned for s in inner) else inner
+
+
+def _stack_of(c: BlockCall) -> list[BlockCall]:
+    """The block's sub-block calls if it runs a stack (see `expand_stacks`), else `[]`: it stays whole."""
+    inner = [] if c.path == () or c.scan is not None else sub_calls(c)
     if any(s.scan is not None for s in inner):  # a wrapper around a scanned stack: its layers are the blocks
         return inner
     distinct = list(dict((s.path, s) for s in inner).values())
-    types = [s.type_name for s in distinct]
-    repeated = [s for s in distinct if types.count(s.type_name) > 1]
-    return inner if any(_composite(s) for s in repeated) else None
+    types = Counter(s.type_name for s in distinct)
+    return inner if any(types[s.type_name] > 1 and _composite(s) for s in distinct) else []
 
 
 def _composite(c: BlockCall) -> bool:
-    """Whether the block's module holds sub-modules with arrays of their own (a transformer layer,
-    a residual block), as opposed to a single layer (a `Linear` of an MLP), which is better
-    checkpointed with its neighbours than alone."""
+    """Whether the block's module holds sub-modules with arrays of their own (a transformer layer),
+    not a single layer (an MLP's `Linear`, better checkpointed with its neighbours than alone)."""
     module = c.spec.rebuild(c.spec.dynamic)[0]
-    return any(jax.tree.leaves(sub, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-               for _, sub in child_modules(module)) if isinstance(module, eqx.Module) else False
+    return isinstance(module, eqx.Module) and any(
+        jax.tree.leaves(sub, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+        for _, sub in child_modules(module))
 
 
 def call_module(module: Any, *args: Any, **kwargs: Any) -> Any:
@@ -360,15 +331,10 @@ def call_module(module: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def batched_body(body: CallSpec, outer: CallSpec) -> CallSpec:
-    """The spec of a scanned block's call under the `jax.vmap` the module runs in.
-
-    JAX traces a scan body once per example, before batching it, so the body's call shows no
-    batch. The stacked layer's slice (the module) is the same for every example; what it is
-    called with (activations, per-example keys) carries the batch, as in the Equinox idiom of a
-    per-sequence model under `jax.vmap`.
-    """
-    n = jax.tree_util.treedef_children(body.treedef)[0].num_leaves
-    n_module = n - sum(1 for i, _ in body.static if i < n)
+    """The spec of a scanned block's call under the `jax.vmap` the module runs in. JAX traces a
+    scan body once per example, before batching it, so the body's call shows no batch: the layer's
+    slice (the module) is the same for every example, what it is called with carries the batch."""
+    n_module = _module_leaves(body)
     size = outer.axis_size
     dynamic = tuple(d if k < n_module else jax.ShapeDtypeStruct((size, *d.shape), d.dtype)
                     for k, d in enumerate(body.dynamic))
@@ -389,14 +355,12 @@ def _loop_kind(loops: list, around: list) -> str:
 
 def _loop_reason(candidate: tuple[Path, Any], where: str) -> str:
     """Why a block is left unplanned, in the user's terms, and what to do instead."""
-    return (
-        f"the block {path_str(candidate[0])} ({type(candidate[1]).__name__}) is called inside {where}, "
-        "where one traced call runs an unknown or nested number of times, so smartremat leaves it "
-        "as it runs (it plans blocks that run once or as the body of a top-level `jax.lax.scan`). "
-        "Memory inside such a loop is the loop's own: for a diffrax solve, bound it with "
-        "`diffeqsolve(..., adjoint=diffrax.RecursiveCheckpointAdjoint(checkpoints=n))`; for your own "
-        "loop, checkpoint its body with `eqx.filter_checkpoint`; or call the model outside the loop"
-    )
+    return (f"the block {path_str(candidate[0])} ({type(candidate[1]).__name__}) is called inside {where}, "
+            "where one traced call runs an unknown or nested number of times, so smartremat leaves it "
+            "as it runs (it plans blocks that run once or as the body of a top-level `jax.lax.scan`). "
+            "Memory inside such a loop is the loop's own: for a diffrax solve, bound it with "
+            "`diffeqsolve(..., adjoint=diffrax.RecursiveCheckpointAdjoint(checkpoints=n))`; for your own "
+            "loop, checkpoint its body with `eqx.filter_checkpoint`; or call the model outside the loop")
 
 
 def _shared_scans(calls: list[BlockCall]) -> dict[Path, str]:
@@ -417,9 +381,7 @@ def _shared_scans(calls: list[BlockCall]) -> dict[Path, str]:
                           "whose only blocks they are is planned whole). To plan them, put them in one module "
                           "that the loop's body calls (with the decorator, `smartremat(blocks=...)` may name one "
                           "of them)")
-    counts: dict[Path, int] = {}
-    for c in calls:
-        counts[c.path] = counts.get(c.path, 0) + 1
+    counts = Counter(c.path for c in calls)
     for c in calls:
         if c.scan is not None and counts[c.path] > 1:
             out.setdefault(c.path, f"the scanned block {path_str(c.path)} ({c.type_name}) runs in more than one "

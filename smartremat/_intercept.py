@@ -1,13 +1,10 @@
 """See the calls of particular Equinox modules while JAX traces, without touching the modules.
 
-smartremat must find, profile and checkpoint the sub-modules a forward calls, and the user's
-code must observe exactly what it observes without smartremat (`isinstance`, fields, methods).
-So nothing in the module tree is replaced: while a function is traced, the `__call__` of each
-class of interest is replaced by a hook, which hands a call to the tracing thread's innermost
-`BlockContext` (discovery records it, a plan runs it under its policy) when that context claims
-the instance, to its `StepContext` (`smartremat.filter_jit`: a step's root modules) when that
-one does, and otherwise calls the original. Instances, their fields, `isinstance` and the
-gradient pytree are untouched; the classes get their own `__call__` back when tracing ends.
+Nothing in the module tree is replaced, so the user's code observes what it does without
+smartremat (`isinstance`, fields, methods, the gradient pytree). While a function is traced, the
+`__call__` of each class of interest is a hook that hands a call to the thread's innermost
+`BlockContext` (discovery records it, a plan runs it under its policy) when that one claims the
+instance, else to its `StepContext` (`smartremat.filter_jit`'s root modules), else to the original.
 """
 
 from __future__ import annotations
@@ -15,8 +12,11 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+import equinox as eqx
+import jax
 
 from ._paths import get_at
 
@@ -30,15 +30,14 @@ _installed: dict[type, list] = {}
 
 @dataclass
 class StepContext:
-    """What the thread tracing a step does with a call of one of `roots` (the classes of the
-    modules among the step's arguments): `on_root(module, call, args, kwargs)`. Calls made
-    inside a root call are the root's own business (its blocks), not roots. `calls` counts the
-    root calls this trace made (a step whose inner `jit` reused an earlier trace makes none)."""
+    """What the thread tracing a step does with a call of one of `roots` (the classes of the step's
+    modules): `on_root(module, call, args, kwargs)`; calls inside a root call are not roots. `calls`
+    counts this trace's root calls (none where the step's inner `jit` reused an earlier trace)."""
 
     roots: frozenset
     on_root: Callable[[Any, Callable, tuple, dict], Any]
-    depth: int = field(default=0)
-    calls: int = field(default=0)
+    depth: int = 0
+    calls: int = 0
 
 
 def in_root_call() -> bool:
@@ -119,20 +118,15 @@ def active(context: StepContext) -> Iterator[StepContext]:
 
 
 def _leaf_shapes(tree: Any) -> tuple:
-    import jax
-
     return tuple(getattr(x, "shape", None) for x in jax.tree.leaves(tree))
 
 
 class Target:
-    """A sub-module instance a `BlockContext` claims: the object itself, and what a copy of it
-    rebuilt inside a transformation looks like (same class and pytree structure; every leaf of
-    the same shape, or with the leading axis dropped, as `eqx.combine` of a slice inside a
-    `jax.lax.scan` body or a `jax.vmap` over stacked modules gives)."""
+    """A sub-module instance a `BlockContext` claims, and what a copy rebuilt inside a transformation
+    looks like: same class and structure, each leaf of the same shape or with the leading axis dropped
+    (`eqx.combine` of a slice in a `jax.lax.scan` body, a `jax.vmap` over stacked modules)."""
 
     def __init__(self, obj: Any) -> None:
-        import jax
-
         self.obj = obj  # kept alive, so its id is not reused while the context lives
         self.type = type(obj)
         self.treedef = jax.tree.structure(obj)
@@ -143,20 +137,16 @@ class Target:
             return False
         if all(s is None for s in shapes):  # nothing tells copies of a parameter-free module apart
             return False
-        same = all(a == b for a, b in zip(shapes, self.shapes))
-        sliced = all(a is None and b is None or a is not None and b is not None and tuple(b[1:]) == tuple(a)
-                     for a, b in zip(shapes, self.shapes))
-        return same or sliced
+        return shapes == self.shapes or all(
+            a is None and b is None or a is not None and b is not None and tuple(b[1:]) == tuple(a)
+            for a, b in zip(shapes, self.shapes))
 
 
 class BlockContext:
     """Routes the calls of the sub-modules at `paths` of `tree` to `on_call(index, module, call,
-    args, kwargs)`. A call made inside a claimed call is not claimed (it belongs to that block).
-
-    A copy of a target is claimed too: one rebuilt from it (see `Target`), or one found at the
-    target's place below a rebuilt copy of one of its ancestors when that copy is called (as
-    `mixed_precision_cast(self.inner)(x)` rebuilds every layer of `inner`).
-    """
+    args, kwargs)`, but not calls made inside a claimed call. A copy of a target is claimed too: one
+    rebuilt from it (see `Target`), or one at the target's place below a called copy of one of its
+    ancestors (`mixed_precision_cast(self.inner)(x)` rebuilds every layer of `inner`)."""
 
     def __init__(self, tree: Any, paths: list, on_call: Callable[..., Any]) -> None:
         self.targets = [Target(get_at(tree, p)) for p in paths]
@@ -168,7 +158,7 @@ class BlockContext:
             for k in range(1, len(p)):
                 below.setdefault(tuple(p[:k]), []).append((i, tuple(p[k:])))
         self.anchors = [(Target(get_at(tree, a)), under) for a, under in below.items()
-                        if isinstance(get_at(tree, a), _module_type())]
+                        if isinstance(get_at(tree, a), eqx.Module)]
         self.types = frozenset([t.type for t in self.targets] + [a.type for a, _ in self.anchors])
         self.on_call = on_call
         self.depth = 0
@@ -180,8 +170,6 @@ class BlockContext:
             return self.by_id[id(obj)]
         if type(obj) not in self.types or id(obj) in self.others:
             return None
-        import jax
-
         treedef, shapes = jax.tree.structure(obj), _leaf_shapes(obj)
         found = [i for i, t in enumerate(self.targets) if t.like(obj, treedef, shapes)]
         if len(found) == 1:
@@ -203,9 +191,7 @@ class BlockContext:
             self.by_id[id(copy)] = index
 
     def dispatch(self, obj: Any, call: Callable, args: tuple, kwargs: dict) -> Any:
-        if self.depth:
-            return _PASS
-        index = self.claim(obj)
+        index = None if self.depth else self.claim(obj)  # a call inside a claimed call is that block's
         if index is None:
             return _PASS
         self.depth += 1
@@ -215,17 +201,8 @@ class BlockContext:
             self.depth -= 1
 
 
-def _module_type() -> type:
-    import equinox as eqx
-
-    return eqx.Module
-
-
 def _modules_in(tree: Any) -> dict[int, Any]:
     """`{id: module}` of every `eqx.Module` in `tree` (the objects are kept, so ids stay theirs)."""
-    import equinox as eqx
-    import jax
-
     found: dict[int, Any] = {}
     todo = [tree]
     while todo:
@@ -234,7 +211,7 @@ def _modules_in(tree: Any) -> dict[int, Any]:
             continue
         if isinstance(x, eqx.Module):
             found[id(x)] = x
-        if isinstance(x, eqx.Module) or isinstance(x, (list, tuple, dict)):
+        if isinstance(x, (eqx.Module, list, tuple, dict)):
             todo.extend(jax.tree.leaves(x, is_leaf=lambda y: y is not x and isinstance(y, eqx.Module)))
     return found
 
@@ -245,9 +222,7 @@ def routing(tree: Any, paths: list, on_call: Callable[..., Any]) -> Iterator[Blo
     copies of them, see `BlockContext`) go to `on_call(index, module, call, args, kwargs)`, where
     `call` is the class's own `__call__` (call it, not `module(...)`, to run the module itself)."""
     ctx = BlockContext(tree, paths, on_call)
-    stack = getattr(_local, "blocks", None)
-    if stack is None:
-        stack = _local.blocks = []
+    stack = vars(_local).setdefault("blocks", [])  # this thread's
     with installed(ctx.types):
         stack.append(ctx)
         try:

@@ -1,17 +1,16 @@
 """The one place smartremat touches private JAX API, each use with a public fallback.
 
-Public JAX has no way to ask a tracer what transformation it belongs to, and smartremat needs
-to know: under `jax.vmap(model)(x)` the module sees per-example tracers but the budget counts
-the whole batch (batch size and axis of each argument, the vmap's axis name); a call that is
-not differentiated runs the plain forward (`differentiated`); `smartremat.filter_jit` tells
-which step argument a module came from (`differentiated_from`). Binding a jaxpr equation again
-(`bind_equation`) is the scan splitter's. If the private attributes are missing, each says "not
-batched" / "differentiated" / "itself", so smartremat plans as it would without them.
+Public JAX cannot tell which transformation a tracer belongs to, and smartremat needs it: under
+`jax.vmap(model)(x)` the budget counts the whole batch (`batch_axis`); a call not differentiated
+runs the plain forward (`differentiated`); `smartremat.filter_jit` tells which step argument a
+module came from (`differentiated_from`). `bind_equation` serves the scan splitter. Without the
+private attributes each says "not batched" / "differentiated" / "itself".
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from jax import core as jax_core
@@ -21,9 +20,7 @@ try:  # private: jax._src.interpreters.{batching,ad}
     from jax._src.interpreters import batching as _batching
 
     _BatchTracer = _batching.BatchTracer
-    _PRIMAL_TRACERS = tuple(
-        t for t in (getattr(_ad, "JVPTracer", None), getattr(_ad, "LinearizeTracer", None)) if t
-    )
+    _PRIMAL_TRACERS = tuple(filter(None, (getattr(_ad, "JVPTracer", None), getattr(_ad, "LinearizeTracer", None))))
     AVAILABLE = True
 except Exception:  # pragma: no cover - public fallback
     _BatchTracer = ()
@@ -31,19 +28,11 @@ except Exception:  # pragma: no cover - public fallback
     AVAILABLE = False
 
 
-def _strip_primal(x: Any) -> Any:
-    while _PRIMAL_TRACERS and isinstance(x, _PRIMAL_TRACERS):
-        x = getattr(x, "primal", x)
-        if not isinstance(x, _PRIMAL_TRACERS):
-            break
-    return x
-
-
 def differentiated_from(leaf: Any) -> Any:
     """The value a leaf seen inside `jax.grad`/`jax.vjp` (any depth) is the tangent-free copy
     of: the step's own input tracer, to tell which argument a module came from. Public
     fallback: the leaf itself."""
-    while _PRIMAL_TRACERS and isinstance(leaf, _PRIMAL_TRACERS):
+    while isinstance(leaf, _PRIMAL_TRACERS):
         leaf = getattr(leaf, "primal", None)
     return leaf
 
@@ -54,30 +43,19 @@ def differentiated(leaves: list) -> bool:
     body) shows no sign of it. Public fallback: `True` for anything traced."""
     for leaf in leaves:
         x = leaf
-        while True:
-            if _PRIMAL_TRACERS and isinstance(x, _PRIMAL_TRACERS):
-                return True
-            if _BatchTracer and isinstance(x, _BatchTracer):
-                x = x.val
-                continue
-            break
-        if not AVAILABLE and isinstance(leaf, jax_core.Tracer):
+        while isinstance(x, _BatchTracer):
+            x = x.val
+        if isinstance(x, _PRIMAL_TRACERS) or not AVAILABLE and isinstance(leaf, jax_core.Tracer):
             return True
     return False
 
 
 def batch_axis(leaf: Any) -> tuple[int, int, Any] | None:
     """For a leaf seen inside one `jax.vmap`, `(axis_size, batch_dim, trace)`; else `None`."""
-    if not AVAILABLE:
+    x = differentiated_from(leaf)
+    if not isinstance(x, _BatchTracer) or not isinstance(x.batch_dim, int):
         return None
-    x = _strip_primal(leaf)
-    if not isinstance(x, _BatchTracer):
-        return None
-    bdim = x.batch_dim
-    if not isinstance(bdim, int):
-        return None
-    size = x._trace.axis_data.size
-    return int(size), int(bdim), x._trace
+    return int(x._trace.axis_data.size), int(x.batch_dim), x._trace
 
 
 def axis_name(trace: Any) -> Any:
@@ -88,19 +66,16 @@ def axis_name(trace: Any) -> Any:
 
 def inner_value(leaf: Any) -> Any:
     """The batched value underneath a `BatchTracer` (to detect nested vmaps)."""
-    return _strip_primal(_strip_primal(leaf).val)
+    return differentiated_from(differentiated_from(leaf).val)
 
 
 def is_batched(leaf: Any) -> bool:
-    return AVAILABLE and isinstance(_strip_primal(leaf), _BatchTracer)
+    return isinstance(differentiated_from(leaf), _BatchTracer)
 
 
 def bind_equation(eqn: Any, invals: list) -> list:
-    """Bind a jaxpr equation's primitive to `invals`, as `jax.core.eval_jaxpr` does.
-
-    `Primitive.get_bind_params` returns the params (sub-functions inside) in current JAX and
-    `(subfuns, params)` in older releases; both are handled.
-    """
+    """Bind a jaxpr equation's primitive to `invals`, as `jax.core.eval_jaxpr` does
+    (`get_bind_params` returns `(subfuns, params)` in older JAX, the params alone in current)."""
     got = eqn.primitive.get_bind_params(eqn.params)
     subfuns, params = got if isinstance(got, tuple) else ((), got)
     with _equation_context(eqn):
@@ -108,7 +83,8 @@ def bind_equation(eqn: Any, invals: list) -> list:
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
-def _equation_context(eqn: Any) -> Any:
+@contextlib.contextmanager
+def _equation_context(eqn: Any) -> Iterator[None]:
     """The equation's own context (XLA metadata, `compute_on`, ...) and its name stack, entered
     as `jax.core.eval_jaxpr` does; private `source_info_util`, or only the context without it."""
     manager = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
@@ -119,7 +95,5 @@ def _equation_context(eqn: Any) -> Any:
         user = siu.user_context(eqn.source_info.traceback, name_stack=names)
     except (ImportError, AttributeError):
         user = contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(user)
-    stack.enter_context(manager)
-    return stack
+    with user, manager:
+        yield

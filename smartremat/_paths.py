@@ -10,12 +10,7 @@ Path = tuple[tuple[str, Any], ...]
 
 def path_str(path: Path) -> str:
     """`(("attr", "blocks"), ("idx", 0))` -> `"blocks[0]"`; the empty path is `"<self>"`."""
-    if not path:
-        return "<self>"
-    out = ""
-    for kind, key in path:
-        out += f".{key}" if kind == "attr" else f"[{key!r}]"
-    return out.lstrip(".")
+    return "".join(f".{key}" if kind == "attr" else f"[{key!r}]" for kind, key in path).lstrip(".") or "<self>"
 
 
 def get_at(tree: Any, path: Path) -> Any:

@@ -1,11 +1,10 @@
 """Run a scanned block with different policies on consecutive pieces of its scan.
 
 One `jax.lax.scan` stacks the same residuals for every iteration, so a scan whose iterations
-should use different policies must become several scans, one per piece. The user's forward
-is traced once per policy (the block's calls checkpointed and tagged with a `jax.named_scope`,
-inside the scan body as the Equinox idiom `eqx.combine(params, static)` rebuilds it), and then evaluated equation by
-equation, the marked scan replaced by one `jax.lax.scan` per piece, each with the body
-traced under that piece's policy. Everything else binds exactly as traced.
+should use different policies must become several scans. The user's forward is traced once per
+policy (the block's calls, inside the scan body that `eqx.combine(params, static)` rebuilds,
+checkpointed and tagged with a `jax.named_scope`), then evaluated equation by equation, the marked
+scan replaced by one `jax.lax.scan` per piece, its body traced under that piece's policy.
 """
 
 from __future__ import annotations
@@ -40,8 +39,7 @@ def run_pieces(module: Any, call: Callable, assignment: tuple, args: tuple, kwar
     def forward(r: int) -> Callable:
         chosen = list(assignment)
         for i, path, pol in segs:
-            ps = pol.variants
-            chosen[i] = (path, ps[min(r, len(ps) - 1)])
+            chosen[i] = (path, pol.variants[min(r, len(pol.variants) - 1)])
 
         def f(*dyn: Any) -> Any:
             m, a, k = jax.tree.unflatten(treedef, scatter(leaves, dyn_at, dyn))
@@ -56,21 +54,17 @@ def run_pieces(module: Any, call: Callable, assignment: tuple, args: tuple, kwar
     targets = {}
     for t, (_, _, pol) in enumerate(segs):
         k = _find_scan(closed.jaxpr, t)
-        ps = pol.variants
-        bodies = [_body_at(traced[ps.index(p)][0].jaxpr, t, closed.jaxpr.eqns[k], closed.jaxpr) for _, _, p in pol.pieces]
-        targets[k] = [(a, b, body) for (a, b, _), body in zip(pol.pieces, bodies)]
+        bodies = [traced[pol.variants.index(p)][0].jaxpr for _, _, p in pol.pieces]
+        targets[k] = [(a, b, _body_at(body, t, closed.jaxpr.eqns[k], closed.jaxpr))
+                      for (a, b, _), body in zip(pol.pieces, bodies)]
     outs = _evaluate(closed, targets, [leaves[i] for i in dyn_at])
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
 def _tagged(jaxpr: jcore.Jaxpr, tag: int) -> bool:
     pattern = re.compile(rf"{_TAG}{tag}(?!\d)")
-    for eqn in jaxpr.eqns:
-        if pattern.search(str(getattr(eqn.source_info, "name_stack", ""))):
-            return True
-        if any(_tagged(sub, tag) for sub in subjaxprs(eqn)):
-            return True
-    return False
+    return any(pattern.search(str(getattr(eqn.source_info, "name_stack", "")))
+               or any(_tagged(sub, tag) for sub in subjaxprs(eqn)) for eqn in jaxpr.eqns)
 
 
 def _find_scan(jaxpr: jcore.Jaxpr, tag: int) -> int:
@@ -80,8 +74,7 @@ def _find_scan(jaxpr: jcore.Jaxpr, tag: int) -> int:
     raise RuntimeError(
         "smartremat planned a block as the body of a top-level `jax.lax.scan`, but the forward it "
         "now traces runs it elsewhere. The module's forward must trace the same way each time; "
-        "plan again (call it with the same arguments), or report this with the module's code."
-    )
+        "plan again (call it with the same arguments), or report this with the module's code.")
 
 
 def _addresses(jaxpr: jcore.Jaxpr) -> dict:
@@ -108,8 +101,7 @@ def _body_at(jaxpr: jcore.Jaxpr, tag: int, base: Any, base_jaxpr: jcore.Jaxpr) -
     mine = [_operand(where, v) for v in eqn.invars]
     theirs = [_operand(base_where, v) for v in base.invars]
     nb = base.params["num_consts"]
-    same_rest = mine[nc:] == theirs[nb:] and len(eqn.invars) - nc == len(base.invars) - nb
-    if not same_rest or any(a is None or a not in theirs[:nb] for a in mine[:nc]):
+    if mine[nc:] != theirs[nb:] or any(a is None or a not in theirs[:nb] for a in mine[:nc]):
         raise Unbuildable(
             "smartremat: the scan's operands differ between the policies of its pieces, so this "
             "candidate, which splits it, cannot be built")
@@ -118,18 +110,11 @@ def _body_at(jaxpr: jcore.Jaxpr, tag: int, base: Any, base_jaxpr: jcore.Jaxpr) -
 
 def _evaluate(closed: jcore.ClosedJaxpr, targets: dict, args: list) -> list:
     """Evaluate `closed` equation by equation, splitting the scans in `targets`."""
-    env: dict = {}
+    env: dict = {**dict(zip(closed.jaxpr.constvars, closed.consts)), **dict(zip(closed.jaxpr.invars, args))}
     read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
-    for v, c in zip(closed.jaxpr.constvars, closed.consts):
-        env[v] = c
-    for v, a in zip(closed.jaxpr.invars, args):
-        env[v] = a
     for k, eqn in enumerate(closed.jaxpr.eqns):
         invals = [read(v) for v in eqn.invars]
-        if k in targets:
-            outs = _split_scan(eqn, targets[k], invals)
-        else:
-            outs = _jax_private.bind_equation(eqn, invals)
+        outs = _split_scan(eqn, targets[k], invals) if k in targets else _jax_private.bind_equation(eqn, invals)
         for v, o in zip(eqn.outvars, outs):
             if not isinstance(v, jcore.DropVar):
                 env[v] = o
@@ -137,11 +122,8 @@ def _evaluate(closed: jcore.ClosedJaxpr, targets: dict, args: list) -> list:
 
 
 def _split_scan(eqn: jcore.JaxprEqn, pieces: list, invals: list) -> list:
-    """The scan `eqn` as one scan per `(start, stop, (body_eqn, const order))` piece, in the scan's order.
-
-    Each piece is a `jax.lax.scan` over its own slice `xs[a:b]` of every scanned operand (the
-    stacked parameters among them), taken outside the body; the pieces' outputs are concatenated.
-    """
+    """The scan `eqn` as one scan per `(start, stop, (body_eqn, const order))` piece, in the scan's
+    order, each over its slice `xs[a:b]` of every scanned operand; their outputs concatenated."""
     p = eqn.params
     nc, ncar = p["num_consts"], p["num_carry"]
     consts, carry, xs = invals[:nc], list(invals[nc:nc + ncar]), invals[nc + ncar:]

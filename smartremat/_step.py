@@ -1,10 +1,6 @@
-"""A training step as smartremat traces and compiles it (for `smartremat.filter_jit`).
-
-Its arguments split as `eqx.filter_jit` splits them (arrays traced, the rest static); its
-module calls recorded (which modules among its arguments it calls, on what abstract inputs) or
-run under a plan (one assignment per module call); every candidate compiled as the whole step,
-with the arguments' shapes, dtypes and shardings, for the compiler's figures.
-"""
+"""A training step as smartremat traces and compiles it (for `smartremat.filter_jit`): its
+arguments split as `eqx.filter_jit` splits them, its module calls recorded or run under a plan
+(one assignment per module call), each candidate compiled as the whole step for its figures."""
 
 from __future__ import annotations
 
@@ -12,6 +8,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import itertools
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -60,10 +57,9 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
         return x
     if isinstance(x, Tracer):
         return abstract(x)
-    if isinstance(x, jax.Array):
-        # typed PRNG keys (`jax.random.key`) have no `weak_type`
-        # an array on the default device is placed where the step runs, as `jit` places it; one
-        # committed to another device, or sharded over several, decides where the program runs
+    if isinstance(x, jax.Array):  # typed PRNG keys (`jax.random.key`) have no `weak_type`
+        # an array on the default device runs where the step runs, as under `jit`; one committed
+        # to another device, or sharded over several, decides where the program runs
         several = len(x.sharding.device_set) > 1
         sharding = x.sharding if several or (x.committed and _placed(x.sharding)) else None
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=getattr(x, "weak_type", False))
@@ -72,10 +68,8 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
 
 @dataclass(frozen=True)
 class Signature:
-    """The step's arguments and the step itself split as `eqx.filter_jit` splits them: arrays
-    traced, the rest static. The step is part of it, as for `eqx.filter_jit`: a callable Module
-    (`eqx.filter_value_and_grad(loss)`, a bound method of a Module) may hold arrays and fields
-    that do not hash; its arrays are traced like the arguments' (after them)."""
+    """The step's arguments and the step itself (a callable Module may hold arrays, traced after
+    the arguments') split as `eqx.filter_jit` splits them: arrays traced, the rest static."""
 
     treedef: Any
     static: tuple
@@ -108,16 +102,14 @@ def bind(fun: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 def _placed(sharding: Any) -> bool:
-    """Whether a sharding decides where the program runs: over several devices, or on one device
-    other than the default one."""
+    """Whether a sharding decides where the program runs: several devices, or one not the default."""
     devices = sharding.device_set
     return len(devices) > 1 or next(iter(devices)) != jax.devices()[0]
 
 
 def _placement(aval: jax.ShapeDtypeStruct) -> Any:
-    """What of an argument's placement changes the program: its sharding over several devices, or
-    its device when not the default one (a numpy array, a jax array on the default device and a
-    ShapeDtypeStruct are all one)."""
+    """What of an argument's placement changes the program (see `_placed`), else `None`: a numpy
+    array, a jax array on the default device and a ShapeDtypeStruct are all one."""
     sharding = getattr(aval, "sharding", None)
     return sharding if sharding is not None and _placed(sharding) else None
 
@@ -145,8 +137,8 @@ def step_name(fun: Any) -> str:
 
 
 def root_modules(fun: Callable, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
-    """`(label, module)` for the outermost callable Equinox modules among the arguments and in
-    the step itself (a bound method's module, a `functools.partial`'s arguments)."""
+    """`(label, module)` for the outermost callable Equinox modules in the arguments and the step
+    itself (a bound method's module, a `functools.partial`'s arguments)."""
     try:
         bound = dict(inspect.signature(fun).bind(*args, **kwargs).arguments)
     except (TypeError, ValueError):
@@ -186,8 +178,8 @@ def _function_wrapper(x: Any) -> bool:
 
 
 def nested_modules(roots: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """`(label, module)` for every callable Equinox module inside the roots (the roots first):
-    a step that trains its model through a method (`model.loss(x, y)`) calls these directly."""
+    """`(label, module)` for every callable Equinox module inside the roots (the roots first), which
+    a step training its model through a method (`model.loss(x, y)`) calls directly."""
     found = list(roots)
     for label, root in roots:
         paths = jax.tree_util.tree_flatten_with_path(root, is_leaf=lambda x: x is not root and _callable_module(x))[0]
@@ -213,8 +205,7 @@ def _root_of(module: Any, call: Callable) -> tuple[Any, Callable]:
 
 
 class Box:
-    """Set when the step is traced: the static part of its output, and the context that saw its
-    module calls."""
+    """Set when the step is traced: its output's static part, the context that saw its module calls."""
 
     value: Any = None
     context: _intercept.StepContext | None = None
@@ -228,11 +219,10 @@ _TRACE_LOCK = threading.RLock()
 
 
 def traced_once(trace: Callable[[], Any], box: Box, expected: int | None) -> Any:
-    """`trace()` (which traces the step), checked: every module call must have been seen
-    (`expected` of them, or at least one). A step that calls its modules inside its own
-    `jax.jit`/`eqx.filter_jit`/`jax.checkpoint` function may reuse a trace JAX cached under
-    another plan; then JAX's caches are cleared (`jax.clear_caches()`) and it is traced again.
-    Traces are serialised, so that no other plan's trace refills those caches meanwhile."""
+    """`trace()` (which traces the step), checked: `expected` module calls (or at least one) seen.
+    A step that calls its modules inside its own `jit`/`checkpoint` may reuse a trace JAX cached
+    under another plan: then JAX's caches are cleared and it is traced again. Traces are
+    serialised, so that no other plan's trace refills those caches meanwhile."""
     with _TRACE_LOCK:
         out = trace()
         if box.calls == expected or (expected is None and box.calls):
@@ -313,11 +303,10 @@ def applying(classes: frozenset, assignments: tuple) -> Callable[[], _intercept.
     """A fresh context (per trace) running the `k`-th module call under `assignments[k]`."""
 
     def make(*_: Any) -> _intercept.StepContext:
-        count = [0]
+        count = itertools.count()
 
         def on_root(module: Any, call: Callable, args: tuple, kwargs: dict) -> Any:
-            k = count[0]
-            count[0] += 1
+            k = next(count)
             if k >= len(assignments):
                 raise RuntimeError(
                     "smartremat.filter_jit: the step called its modules more times than when it was "
@@ -351,12 +340,10 @@ _quiet_depth = [0]
 
 @contextlib.contextmanager
 def quiet_donation() -> Iterator[None]:
-    """As `eqx.filter_jit(donate="all")` does: donated inputs that no output can reuse (the batch)
-    are fine, not worth a warning.
-
-    Candidate plans are lowered and compiled in threads, and `warnings.catch_warnings` swaps a
-    process-wide filter list: a thread leaving it would restore the filters while another is still
-    lowering. So the first thread in installs the filter and the last one out removes it."""
+    """No warning about donated inputs that no output can reuse (the batch), as under
+    `eqx.filter_jit(donate="all")`. Candidates are lowered and compiled in threads, and
+    `warnings.catch_warnings` swaps a process-wide filter list, so the first thread in installs
+    the filter and the last one out removes it."""
     with _QUIET_LOCK:
         if _quiet_depth[0] == 0:
             context = warnings.catch_warnings()
@@ -383,8 +370,8 @@ def figures_of(compiled: Any) -> StepFigures:
 
 
 def step_key(sig: Signature, entry_of: tuple, donate: str) -> tuple:
-    """What a compiled step depends on: its signature (the step's included), the plan of each module call,
-    the donation, the backend and the flags (a key for `step_figures` and `tune=True`'s times)."""
+    """What a compiled step depends on: signature, each module call's plan, donation, backend and
+    flags (a key for `step_figures` and `tune=True`'s times)."""
     return (sig.key(), tuple(assignment_key(a) for a in entry_of[1]), donate, *environment_key())
 
 
