@@ -124,3 +124,23 @@ def test_benchmark_times_short_steps_in_more_rounds(step, repeat, want):
 
     assert run.SECONDS == 4.0 and run.MAX_REPEAT == 400  # about 4 s per program, at most 400 rounds
     assert run.repeat_for([Fake(), Fake()], repeat) == want
+
+
+def test_the_gpu_check_runs_tiny_on_the_cpu(tmp_path):
+    """`benchmarks/gpu_check.py` (a GPT-2-small step on a GPU) on a tiny GPT here, so it cannot rot:
+    every field, smartremat's steps fit and equal no remat's loss, gradients and update."""
+    from benchmarks import gpu_check
+
+    result = gpu_check.check("tiny", 2, tmp_path, names=["none", "full", "dots"], shares=(0.5,))
+    written = json.loads(next(tmp_path.glob("gpu_check_*.json")).read_text())
+    assert written == json.loads(json.dumps(result)) and next(tmp_path.glob("gpu_check_*.md")).read_text()
+    assert {"device", "platform", "jax", "smartremat", "plain_compile_s"} <= set(written)
+    assert set(written["fixed"]) == {"none", "full", "dots"}
+    assert all(f["rel_diff_vs_no_remat"] < 1e-5 and f["step_s"] > 0 for f in written["fixed"].values())
+    rows = written["smartremat"]
+    assert [r["tune"] for r in rows] == [False, True]
+    none, full = written["fixed"]["none"]["temp_mb"], written["fixed"]["full"]["temp_mb"]
+    for r in rows:
+        assert r["budget_mb"] == pytest.approx((none + full) / 2)
+        assert r["fits"] and r["temp_mb"] <= r["budget_mb"] and r["rel_diff_vs_no_remat"] < 1e-5
+        assert r["first_call_s"] > 0 and r["vs_fastest_fitting_fixed"] is not None and r["policies"]
