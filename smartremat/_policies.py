@@ -28,13 +28,8 @@ def _raw_name(policy: Callable[..., bool]) -> str:
 
 
 def normalise_policies(policies: Sequence[Any] | None, option: str = "smartremat") -> tuple[Option, ...]:
-    """Validate `smartremat(policies=...)` and return the menu of options, no remat first.
-
-    No remat (`None`) is always on the menu: leaving a block alone is always possible. Each
-    policy becomes a `Policy` option; one other than JAX's own (`jax.checkpoint_policies`) is
-    checked (its errors name it). Names are unique in the menu, so that a plan's rows tell the
-    options apart: a second `<lambda>` is shown as `<lambda>#2`.
-    """
+    """Validate `smartremat(policies=...)` and return the menu of options (`_menu`), no remat first:
+    leaving a block alone is always possible."""
     if policies is None:
         return DEFAULT_MENU
     if callable(policies) or isinstance(policies, (str, bytes)) or not isinstance(policies, Sequence):
@@ -78,7 +73,8 @@ def _ignores_names() -> bool:
 def _menu(raw: Sequence[Callable[..., Any]], option: str = "smartremat") -> tuple[Option, ...]:
     """No remat, then an option per distinct policy: JAX's own (e.g. from
     `jax.checkpoint_policies.save_only_these_names(...)`, which JAX may recognise by type) handed to
-    JAX as they are, a user's checked; each under a name unique in the menu (JAX's own named first)."""
+    JAX as they are, a user's checked (its errors name it); each under a name unique in the menu, so
+    that a plan's rows tell them apart (JAX's own named first)."""
     builtin = [str(getattr(p, "__module__", None) or "").split(".")[0] in ("jax", "jaxlib") for p in raw]
     names: dict[int, str] = {}
     taken = {NO_REMAT.name}

@@ -21,7 +21,7 @@ from jax.extend import core as jcore
 from ._cache import KeyedCache
 from ._env import environment_key, measuring_options, profiling_options
 from ._memory import raised_peaks
-from ._cost import Cost, aval_bytes, floating_leaves, jaxpr_cost
+from ._cost import Cost, aval_bytes, floating_leaves, function_cost
 from ._options import NO_REMAT, Option, PolicyError
 from ._spec import CallSpec, scatter
 
@@ -221,9 +221,9 @@ def _at_the_end(profile: BlockProfile, spec: CallSpec, call: Callable) -> BlockP
 
 def _profile_uncached(spec: CallSpec, call: Callable, menu: tuple, calibrate: bool) -> BlockProfile:
     f_none = spec.function(call)
-    forward = jaxpr_cost(jax.make_jaxpr(f_none)(*spec.dynamic))
+    forward = function_cost(f_none, *spec.dynamic)
     try:
-        base = jaxpr_cost(jax.make_jaxpr(grad_step(f_none, spec.dynamic))(*spec.dynamic))
+        base = function_cost(grad_step(f_none, spec.dynamic), *spec.dynamic)
     except Exception as e:  # e.g. a `lax.while_loop` on floats: left alone, as it runs in the user's step
         # with no remat, counted as keeping nothing (the compiled step, not the model, tells what it takes)
         why = ("every policy", f"it cannot be reverse-differentiated on its own ({_reason(e)})")
@@ -259,7 +259,7 @@ def _measure(spec: CallSpec, call: Callable, menu: tuple, base: Cost,
             if sig in seen and option != NO_REMAT:  # same residuals as an earlier option: merge
                 merged[seen[sig]].append(option)
                 continue
-            total = jaxpr_cost(jax.make_jaxpr(grad_step(f, spec.dynamic))(*spec.dynamic))
+            total = function_cost(grad_step(f, spec.dynamic), *spec.dynamic)
         except Exception as e:
             if option == NO_REMAT or isinstance(e, PolicyError):  # the user's policy is wrong: say so
                 raise

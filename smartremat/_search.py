@@ -1,30 +1,23 @@
-"""Hold the model's frontier against the compiler with few whole-step compiles.
+"""Hold the model's frontier against the compiler with few whole-step compiles (docs/how-it-works.md,
+step 5, walks the rules).
 
 The candidates are the model's Pareto frontier (sorted by predicted peak, at most `MAX_CANDIDATES`
-points spread evenly) and the uniform plans. Instead of compiling them all, `search` compiles:
+points spread evenly) and the uniform plans. `search` compiles the point the model chooses, then
+guesses by the predicted peaks scaled by the compiled/predicted ratio of the nearest compiled point
+(every candidate if the lowest-peak point misses: fusion and buffer reuse can reorder plans near
+the floor); then frontier points until the cheapest fitting one is bracketed (`MISS_MARGIN`); then
+the uniform plans that could win (`FIT_MARGIN`, `WIN_MARGIN`), their predicted peaks scaled by the
+smallest ratio seen if below 1, never up (an under-predicted mixed plan must not rule out a uniform
+plan the model predicts well: with d61ddb0's profile the ResNet's mixed plans were 16-20% under;
+after XLA's fusion a uniform policy can take fewer FLOPs than the model says, by up to 1.6% of the
+step on the quick benchmark models: docs/facts.md, fact 9). A frontier point compiled alone has
+beside it a uniform plan the search would likely compile later (`spare`).
 
-1. the frontier point the model chooses: the cheapest whose predicted peak fits (the lowest-peak
-   point if none does); if it misses, the next guess (predicted peaks scaled by the compiled/
-   predicted ratio of the nearest compiled point); if that misses too, the lowest-peak point with
-   the guess after. If the lowest-peak point misses, every candidate (fusion and buffer reuse can
-   reorder plans near the floor), and the budget is infeasible, with the lowest temp, if none fits;
-2. frontier points, chosen by the scaled predicted peak, until the cheapest fitting point is
-   bracketed: the next cheaper point misses, compiled or as predicted by more than `MISS_MARGIN` of
-   the budget when scaled by the smallest ratio seen (or it is the cheapest of all);
-3. the uniform plans that could win: their predicted peak, scaled by the smallest ratio seen if
-   below 1 (never up: one under-predicted mixed plan must not rule out a uniform plan the model
-   predicts well; with d61ddb0's profile the ResNet's mixed plans were 16-20% under), fits within
-   `FIT_MARGIN`, and the model's FLOPs exceed the best fitting candidate's by at most `WIN_MARGIN`
-   of its rank (after XLA's fusion a uniform policy can take fewer FLOPs than the model says,
-   docs/facts.md, fact 9: by up to 1.6% of the step on the quick benchmark models);
-
-and beside a lone frontier point of 1 or 2, a uniform plan that 3 would likely compile (`spare`).
-Among the fitting candidates the one of fewest compiled FLOPs wins (the model's FLOPs when a block
-is scanned: XLA counts a loop body once); ties (within `TIE_MARGIN`, no costlier than a fitting
-uniform plan) go to the fewest temp bytes. Which candidates are compiled depends only on the budget
-and the signature. Under several losses, candidates are compiled under the first (a lower bound of
-the largest temp) and under every loss only when about to be chosen or when one may set the floor
-an error states.
+The fitting candidate of fewest compiled FLOPs wins (the model's FLOPs when a block is scanned: XLA
+counts a loop body once); ties (within `TIE_MARGIN`, no costlier than a fitting uniform plan) go to
+the fewest temp bytes. Which candidates are compiled depends only on the budget and the signature.
+Under several losses, candidates are compiled under the first (a lower bound of the largest temp),
+and under every loss only when about to be chosen or when one may set the floor an error states.
 """
 
 from __future__ import annotations
@@ -123,13 +116,11 @@ class CandidateFigures:
             self.progress(f"compiling a candidate plan under every loss ({len(self.confirmed) + 1} so far)")
             self.confirmed.add(choice)
             try:
-                temp = self.confirm(choice)[0]
+                self.figures[choice] = (self.confirm(choice)[0], self.figures[choice][1])
             except Unbuildable:
                 self.figures[choice] = UNBUILT
                 if self.raising:
                     raise _Unbuilt() from None
-                return UNBUILT[0]
-            self.figures[choice] = (temp, self.figures[choice][1])
         return self.figures[choice][0]
 
     def floor(self) -> int:

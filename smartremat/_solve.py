@@ -1,14 +1,13 @@
 """Exact minimum-recompute choice under the order-aware peak, and the whole frontier.
 
-`solve` is a dynamic programme over stages in call order whose state is the bytes kept so
-far; states dominated in (kept bytes, cost) are dropped, which loses nothing because every
-later constraint only gets harder as kept bytes grow. All figures are integers, so the
-result is exact; `tests/test_solve.py` checks it against brute force. Without scan runs the
-whole frontier comes from one such programme whose states also carry the peak so far
-(`_frontier_free`), and each point's choice from one programme at its peak and cost: on the quick
-ResNet's 10 stages, 44 points in 0.12 s where solving once per point, with a bisection for the
-lowest peak at each cost (`frontier_by_solving`), took 2.17 s
-(`python benchmarks/planning_time.py --breakdown`, docs/results/planning_breakdown_cpu.txt).
+`solve` is a dynamic programme over stages in call order whose state is the bytes kept so far;
+states dominated in (kept bytes, cost) are dropped, which loses nothing because every later
+constraint only gets harder as kept bytes grow. All figures are integers, so the result is exact
+(`tests/test_solve.py` checks it against brute force). Without scan runs the whole frontier comes
+from one programme whose states also carry the peak so far (`_frontier_free`), each point's choice
+from one programme at its peak and cost: on the quick ResNet's 10 stages, 44 points in 0.12 s, where
+solving once per point with a bisection for the lowest peak at each cost (`frontier_by_solving`)
+took 2.17 s (`python benchmarks/planning_time.py --breakdown`, docs/results/planning_breakdown_cpu.txt).
 """
 
 from __future__ import annotations
@@ -63,12 +62,9 @@ def _only(st: Stage, o: int) -> Stage:
 
 def _solve_free(stages: Sequence[Stage], limit: int, cap: int | None = None) -> Solution | None:
     """DP over (kept bytes, cost); with `cap`, states costing more are dropped (costs are >= 0).
-
-    Inside a scan run a state also carries its current option, the pieces used so far and
-    whether the run was declared split at its start (a split run keeps `split_extra` more bytes
-    per iteration, a whole one allows one piece); dominance is only applied between states with
-    the same such label.
-    """
+    Inside a scan run a state also carries its current option, the pieces used so far and whether
+    the run was declared split at its start (a split run keeps `split_extra` more bytes per
+    iteration, a whole one allows one piece); dominance applies between states of the same label."""
     state = (np.zeros(1, np.int64),) * 2 + (np.full(1, -1, np.int64),) + (np.zeros(1, np.int64),) * 2
     back: list[tuple[np.ndarray, np.ndarray]] = []
     for i, st in enumerate(stages):
@@ -206,8 +202,8 @@ def _as_solved(stages: Sequence[Stage], point: Solution) -> Solution:
     rise as the budget fell (docs/fit.md, "Planning time")."""
     for variant in _tied_variants(stages):
         sol = _solve_free(variant, point.peak, cap=point.cost)
-        if sol is not None and (peak_of(stages, sol.choice), cost_of(stages, sol.choice)) == (point.peak, point.cost):
-            return Solution(sol.choice, point.peak, point.cost)
+        if sol is not None and (sol.peak, sol.cost) == (point.peak, point.cost):
+            return sol
     raise AssertionError(f"no choice reaches the frontier point (peak {point.peak}, cost {point.cost})")
 
 

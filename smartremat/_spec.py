@@ -191,10 +191,9 @@ _STEP_LOCK = threading.Lock()
 
 @contextlib.contextmanager
 def planning_step() -> Iterator[None]:
-    """While `smartremat.filter_jit` plans a step, the warning about a mesh with Auto axes is not
-    given: it compiles the whole step with the arguments' shardings, its figures are per device,
-    and its plan says which figures are predicted for one device (`_step_plan.HIDDEN_NOTE`). A
-    process-wide count, as planning compiles candidates in worker threads."""
+    """While `smartremat.filter_jit` plans a step (a process-wide count: it compiles in worker
+    threads), no warning about a mesh with Auto axes: it compiles the whole step with the arguments'
+    shardings, and its plan says which figures are for one device (`_step_plan.HIDDEN_NOTE`)."""
     with _STEP_LOCK:
         _STEP_PLANNING[0] += 1
     try:
