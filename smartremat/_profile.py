@@ -58,13 +58,15 @@ class BlockProfile:
 
 
 class _Measured(NamedTuple):
-    """One option's figures while profiling: residuals, recompute, and the function measured."""
+    """One option's figures while profiling: residuals, recompute, the function measured, and the
+    options merged into it (they save the same residuals)."""
 
     option: Option
     internal: int
     args: int
     recompute: Cost
     f: Callable
+    merged: list[Option]
 
 
 def _is_float(d: jax.ShapeDtypeStruct) -> bool:
@@ -228,7 +230,7 @@ def _profile_uncached(spec: CallSpec, call: Callable, menu: tuple, calibrate: bo
         # with no remat, counted as keeping nothing (the compiled step, not the model, tells what it takes)
         why = ("every policy", f"it cannot be reverse-differentiated on its own ({_reason(e)})")
         return BlockProfile(forward, (PolicyProfile(NO_REMAT, 0, 0, 0, Cost(0, 0)),), (why,))
-    raw, merged, skipped = _measure(spec, call, menu, base)
+    raw, skipped = _measure(spec, call, menu, base)
     peaks, calibrated = calibration(raw, spec, n_module_leaves(spec), calibrate)
     options = []
     for j, m in enumerate(raw):
@@ -239,25 +241,24 @@ def _profile_uncached(spec: CallSpec, call: Callable, menu: tuple, calibrate: bo
         peak = counted + raw[0].internal if peaks is None else peaks[j]
         recompute = Cost(max(m.recompute.flops, 0), max(m.recompute.bytes, 0))
         options.append(PolicyProfile(m.option, int(saved), int(max(peak, saved)), int(counted), recompute,
-                                     tuple(merged[j])))
+                                     tuple(m.merged)))
     return BlockProfile(forward, tuple(options), tuple(skipped))
 
 
 def _measure(spec: CallSpec, call: Callable, menu: tuple, base: Cost,
-             ) -> tuple[list[_Measured], list[list[Option]], list[tuple[str, str]]]:
-    """`(measured, merged, skipped)`: each option's `_Measured` (no remat first), the options merged
-    into each (same residuals), and `(option name, why)` for options that failed for the block."""
+             ) -> tuple[list[_Measured], list[tuple[str, str]]]:
+    """`(measured, skipped)`: each option's `_Measured` (no remat first; an option of the same residuals
+    as an earlier one is in that one's `merged`), and `(option name, why)` of options that failed."""
     n_module = n_module_leaves(spec)
     raw: list[_Measured] = []
-    merged: list[list[Option]] = []
-    seen: dict[tuple, int] = {}
+    seen: dict[tuple, _Measured] = {}
     skipped = []
     for option in menu:
         f = option.profiled(spec, call)
         try:
             internal, args, sig = residuals(f, spec, n_module)
             if sig in seen and option != NO_REMAT:  # same residuals as an earlier option: merge
-                merged[seen[sig]].append(option)
+                seen[sig].merged.append(option)
                 continue
             total = function_cost(grad_step(f, spec.dynamic), *spec.dynamic)
         except Exception as e:
@@ -265,10 +266,9 @@ def _measure(spec: CallSpec, call: Callable, menu: tuple, base: Cost,
                 raise
             skipped.append((option.name, _reason(e)))
             continue
-        seen.setdefault(sig, len(raw))
-        raw.append(_Measured(option, internal, args, total - base, f))
-        merged.append([])
-    return raw, merged, skipped
+        raw.append(_Measured(option, internal, args, total - base, f, []))
+        seen.setdefault(sig, raw[-1])
+    return raw, skipped
 
 
 def _reason(e: Exception) -> str:

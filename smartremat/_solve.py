@@ -43,10 +43,8 @@ def _tied_variants(stages: Sequence[Stage]) -> Iterator[list[Stage]]:
         return
     sizes = [len(stages[groups[g][0]].saved) for g in tied]
     if np.prod(sizes, dtype=float) > _MAX_TIED_COMBOS:
-        raise ValueError(
-            f"{len(tied)} blocks are called more than once with {sizes} options each: too many "
-            "combinations to plan exactly. Name fewer blocks with `blocks=`."
-        )
+        raise ValueError(f"{len(tied)} blocks are called more than once with {sizes} options each: too many "
+                         "combinations to plan exactly. Name fewer blocks with `blocks=`.")
     for combo in itertools.product(*[range(s) for s in sizes]):
         fixed = {i: o for g, o in zip(tied, combo) for i in groups[g]}
         yield [st if i not in fixed else _only(st, fixed[i]) for i, st in enumerate(stages)]
@@ -212,10 +210,7 @@ def frontier_by_solving(stages: Sequence[Stage], max_points: int = 10_000) -> li
     peak: for stages with scan runs, whose pieces the one-pass programme does not track."""
     points: list[Solution] = []
     limit = _FORBIDDEN
-    while len(points) < max_points:
-        sol = solve(stages, limit)
-        if sol is None:
-            break
+    while len(points) < max_points and (sol := solve(stages, limit)) is not None:
         points.append(sol)
         limit = sol.peak - 1
     return sorted(points, key=lambda s: s.peak)

@@ -172,9 +172,8 @@ def _batch_first(sharding: Any, bdim: int, ndim: int) -> Any:
 
 def sharding_key(d: jax.ShapeDtypeStruct) -> Any:
     s = getattr(d, "sharding", None)
-    if not isinstance(s, jax.sharding.NamedSharding):
-        return None
-    return (tuple(s.mesh.axis_names), tuple(s.mesh.axis_sizes), str(s.spec))
+    named = isinstance(s, jax.sharding.NamedSharding)
+    return (tuple(s.mesh.axis_names), tuple(s.mesh.axis_sizes), str(s.spec)) if named else None
 
 
 def abstract(x: Any) -> jax.ShapeDtypeStruct:
