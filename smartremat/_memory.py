@@ -5,7 +5,7 @@ stage `i` keeps `saved[i][o]` bytes alive from stage `i`'s forward until its bac
 stage `i`'s own forward and backward need `peak[i][o]` bytes (its kept bytes included) while
 the kept bytes of every earlier stage are still alive. So
 
-    peak(choice) = offset + max_i ( sum_{j<i} saved[j][c_j] + peak[i][c_i] ),
+    peak(choice) = max_i ( sum_{j<i} saved[j][c_j] + peak[i][c_i] ),
 
 which is not a sum of saved bytes: the same choices placed on late blocks cost more than
 on early ones, and recomputing the last block saves nothing.
@@ -58,9 +58,9 @@ def raised(stage: Stage, after: int) -> Stage:
     return dataclasses.replace(stage, peak=raised_peaks(stage.saved, stage.peak, (after,) * len(stage.peak)))
 
 
-def peak_of(stages: Sequence[Stage], choice: Sequence[int], offset: int = 0) -> int:
+def peak_of(stages: Sequence[Stage], choice: Sequence[int]) -> int:
     """Modelled peak bytes of `choice` (one option index per stage)."""
-    return offset + peak_at(stages, choice)[0]
+    return peak_at(stages, choice)[0]
 
 
 def peak_at(stages: Sequence[Stage], choice: Sequence[int]) -> tuple[int, int, int]:
@@ -90,7 +90,3 @@ def segments_of(stages: Sequence[Stage], choice: Sequence[int]) -> dict[int, int
         prev = (st.run, c)
     return out
 
-
-def respects_segments(stages: Sequence[Stage], choice: Sequence[int]) -> bool:
-    limits = {st.run: st.segments for st in stages if st.run is not None}
-    return all(n <= limits[r] for r, n in segments_of(stages, choice).items())

@@ -2,63 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
-from ._options import NO_REMAT, NoRemat, Option, Policy, PolicyError
+from ._options import NO_REMAT, NoRemat, Option, Policy
 from ._env import MB
-
-__all__ = ["DEFAULT_MENU", "FULL_REMAT", "NO_REMAT", "PolicyError", "normalise_policies", "no_policy_error"]
 
 cp = jax.checkpoint_policies
 
-DEFAULT_POLICIES: tuple[Any, ...] = (
-    None,
-    cp.dots_saveable,
-    cp.dots_with_no_batch_dims_saveable,
-    cp.nothing_saveable,
-)
-
-_KNOWN_NAMES = {
-    id(cp.dots_saveable): "dots_saveable",
-    id(cp.dots_with_no_batch_dims_saveable): "dots_with_no_batch_dims_saveable",
-    id(cp.nothing_saveable): "nothing_saveable",
-    id(cp.everything_saveable): "everything_saveable",
-}
-
 
 def _raw_name(policy: Callable[..., bool]) -> str:
-    """A stable, readable name for a policy callable."""
-    if id(policy) in _KNOWN_NAMES:
-        return _KNOWN_NAMES[id(policy)]
+    """A stable, readable name for a policy callable (JAX's own, or an equal copy, by their name)."""
+    if policy is cp.everything_saveable:
+        return "everything_saveable"
     for name in ("dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable"):
-        try:
-            if policy == getattr(cp, name):
+        with contextlib.suppress(Exception):  # a policy whose __eq__ raises is simply not one of ours
+            if policy is getattr(cp, name) or policy == getattr(cp, name):
                 return name
-        except Exception:  # a policy whose __eq__ raises is simply not one of ours
-            pass
     return getattr(policy, "__name__", None) or repr(policy)
 
 
 def normalise_policies(policies: Sequence[Any] | None, option: str = "smartremat") -> tuple[Option, ...]:
-    """Validate `smartremat(policies=...)` and return the menu of options, no remat first.
-
-    No remat (`None`) is always on the menu: leaving a block alone is always possible. Each
-    policy becomes a `Policy` option; one other than JAX's own (`jax.checkpoint_policies`) is
-    checked (its errors name it). Names are unique in the menu, so that a plan's rows tell the
-    options apart: a second `<lambda>` is shown as `<lambda>#2`.
-    """
+    """Validate `smartremat(policies=...)` and return the menu of options (`_menu`), no remat first:
+    leaving a block alone is always possible."""
     if policies is None:
         return DEFAULT_MENU
     if callable(policies) or isinstance(policies, (str, bytes)) or not isinstance(policies, Sequence):
-        raise TypeError(
-            f"`{option}(policies=...)` should be a sequence of `jax.checkpoint` policies "
-            f"(such as `[jax.checkpoint_policies.dots_saveable]`), not {policies!r}. "
-            "To offer a single policy, wrap it in a list."
-        )
+        raise TypeError(f"`{option}(policies=...)` should be a sequence of `jax.checkpoint` policies (such "
+                        f"as `[jax.checkpoint_policies.dots_saveable]`), not {policies!r}. To offer a single "
+                        "policy, wrap it in a list.")
     raw: list[Any] = []
     for p in policies:
         p = p.fn if isinstance(p, Policy) else None if isinstance(p, NoRemat) else p
@@ -70,65 +47,46 @@ def normalise_policies(policies: Sequence[Any] | None, option: str = "smartremat
 
 def _check_policy(p: Any, option: str) -> None:
     if p is not None and not callable(p):
-        raise TypeError(
-            f"`{option}(policies=...)` holds {p!r}, which is not a `jax.checkpoint` policy. "
-            "Each entry should be a callable from `jax.checkpoint_policies` (e.g. "
-            "`jax.checkpoint_policies.nothing_saveable`) or `None` for no remat."
-        )
+        raise TypeError(f"`{option}(policies=...)` holds {p!r}, which is not a `jax.checkpoint` policy. Each "
+                        "entry should be a callable from `jax.checkpoint_policies` (e.g. "
+                        "`jax.checkpoint_policies.nothing_saveable`) or `None` for no remat.")
     itself = p is cp.save_anything_except_these_names
     made_by = getattr(p, "__qualname__", "").startswith("save_anything_except_these_names.")
     if itself and not _ignores_names():
-        raise ValueError(
-            f"`{option}(policies=...)` holds `save_anything_except_these_names` itself; call it with "
-            "the names to exclude first, e.g. `save_anything_except_these_names('attn')`."
-        )
+        raise ValueError(f"`{option}(policies=...)` holds `save_anything_except_these_names` itself; call it "
+                         "with the names to exclude first, e.g. `save_anything_except_these_names('attn')`.")
     if (itself or made_by) and _ignores_names():
-        raise ValueError(
-            f"`{option}(policies=...)` holds `save_anything_except_these_names`, which in jax "
-            f"{jax.__version__} ignores the names it is given and saves everything: the same as no "
-            "remat, which is always on the menu. To save every named value but some, use "
-            "`jax.checkpoint_policies.save_any_names_but_these('attn', ...)`; to save only some, "
-            "`save_only_these_names(...)`."
-        )
+        raise ValueError(f"`{option}(policies=...)` holds `save_anything_except_these_names`, which in jax "
+                         f"{jax.__version__} ignores the names it is given and saves everything: the same as "
+                         "no remat, which is always on the menu. To save every named value but some, use "
+                         "`jax.checkpoint_policies.save_any_names_but_these('attn', ...)`; to save only "
+                         "some, `save_only_these_names(...)`.")
 
 
 def _ignores_names() -> bool:
     """Whether this JAX's `save_anything_except_these_names(name)` saves a value named `name`."""
-    from jax.ad_checkpoint import checkpoint_name
-
     eqn = jax.make_jaxpr(lambda x: checkpoint_name(x, "excluded"))(1.0).eqns[0]
     policy = cp.save_anything_except_these_names("excluded")
     return bool(policy(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params))
 
 
 def _menu(raw: Sequence[Callable[..., Any]], option: str = "smartremat") -> tuple[Option, ...]:
-    """No remat, then an option per distinct policy: JAX's own handed to JAX as they are, a
-    user's checked; each under a name unique in the menu (JAX's own named first)."""
-    builtin = [id(p) in _KNOWN_NAMES or _from_jax(p) for p in raw]
+    """No remat, then an option per distinct policy: JAX's own (e.g. from
+    `jax.checkpoint_policies.save_only_these_names(...)`, which JAX may recognise by type) handed to
+    JAX as they are, a user's checked (its errors name it); each under a name unique in the menu, so
+    that a plan's rows tell them apart (JAX's own named first)."""
+    builtin = [str(getattr(p, "__module__", None) or "").split(".")[0] in ("jax", "jaxlib") for p in raw]
     names: dict[int, str] = {}
     taken = {NO_REMAT.name}
-    for first in (True, False):
-        for i, p in enumerate(raw):
-            if builtin[i] == first:
-                names[i] = _unique(_raw_name(p), taken)
+    for i in sorted(range(len(raw)), key=lambda i: not builtin[i]):
+        name, k = _raw_name(raw[i]), 1
+        names[i] = name
+        while names[i] in taken:  # a second `<lambda>` is `<lambda>#2`
+            k += 1
+            names[i] = f"{name}#{k}"
+        taken.add(names[i])
     return (NO_REMAT,) + tuple(Policy(p, names[i], checked=not builtin[i], argument=option)
                                for i, p in enumerate(raw))
-
-
-def _unique(name: str, taken: set[str]) -> str:
-    """`name`, or `name#2`, `name#3`, ... : the first not in `taken` (then added to it)."""
-    unique, k = name, 1
-    while unique in taken:
-        k += 1
-        unique = f"{name}#{k}"
-    taken.add(unique)
-    return unique
-
-
-def _from_jax(policy: Any) -> bool:
-    """One of JAX's own policies (e.g. from `jax.checkpoint_policies.save_only_these_names(...)`),
-    which JAX may recognise by type: kept as it is."""
-    return str(getattr(policy, "__module__", None) or "").split(".")[0] in ("jax", "jaxlib")
 
 
 def no_policy_error(menu: tuple, budget_mb: float, floor: int, option: str = "smartremat") -> ValueError | None:
@@ -147,7 +105,8 @@ def no_policy_error(menu: tuple, budget_mb: float, floor: int, option: str = "sm
 
 #: The menu of `policies=None`: no remat, then JAX's `dots_saveable`,
 #: `dots_with_no_batch_dims_saveable` and `nothing_saveable`.
-DEFAULT_MENU: tuple[Option, ...] = _menu(DEFAULT_POLICIES[1:])
+DEFAULT_MENU: tuple[Option, ...] = _menu([cp.dots_saveable, cp.dots_with_no_batch_dims_saveable,
+                                          cp.nothing_saveable])
 
 #: Full remat: JAX's `nothing_saveable` on a block.
 FULL_REMAT: Option = DEFAULT_MENU[-1]

@@ -21,7 +21,7 @@ from jax.extend import core as jcore
 from ._cache import KeyedCache
 from ._env import environment_key, measuring_options, profiling_options
 from ._memory import raised_peaks
-from ._cost import Cost, aval_bytes, floating_leaves, jaxpr_cost
+from ._cost import Cost, aval_bytes, floating_leaves, function_cost
 from ._options import NO_REMAT, Option, PolicyError
 from ._spec import CallSpec, scatter
 
@@ -29,24 +29,15 @@ from ._spec import CallSpec, scatter
 @dataclass(frozen=True)
 class PolicyProfile:
     """One block under one option. Bytes are for the whole call (the whole batch under vmap).
+    `saved_bytes` are kept from the block's forward until its backward: below zero where its
+    gradients' output buffers, written last, hold the activations of later blocks."""
 
-    **Fields:**
-
-    - `option`: the option (`NO_REMAT`, a policy, a nested option); `merged`: other options of
-      the menu that save exactly the same residuals for this block, and so were merged into this one.
-    - `saved_bytes`: bytes kept alive from this block's forward until its backward; below zero
-      where its gradients' output buffers, written last, hold the activations of later blocks.
-    - `peak_bytes`: this block's own peak during its forward and backward, its kept bytes included.
-    - `residual_bytes`: the jaxpr-level residual count (before any calibration).
-    - `recompute`: FLOPs and bytes that the backward recomputes (zero for no remat).
-    """
-
-    option: Option
+    option: Option  # `NO_REMAT`, a policy, a nested option
     saved_bytes: int
-    peak_bytes: int
-    residual_bytes: int
-    recompute: Cost
-    merged: tuple[Option, ...] = ()
+    peak_bytes: int  # the block's own peak during its forward and backward, its kept bytes included
+    residual_bytes: int  # the jaxpr-level residual count (before any calibration)
+    recompute: Cost  # FLOPs and bytes that the backward recomputes (zero for no remat)
+    merged: tuple[Option, ...] = ()  # options of the menu that save the same residuals, merged into this
 
     @property
     def name(self) -> str:
@@ -67,30 +58,29 @@ class BlockProfile:
 
 
 class _Measured(NamedTuple):
-    """One option's figures while profiling: residuals, recompute, and the function measured."""
+    """One option's figures while profiling: residuals, recompute, the function measured, and the
+    options merged into it (they save the same residuals)."""
 
     option: Option
     internal: int
     args: int
     recompute: Cost
-    signature: tuple
     f: Callable
+    merged: list[Option]
 
 
 def _is_float(d: jax.ShapeDtypeStruct) -> bool:
     return jnp.issubdtype(d.dtype, jnp.inexact)
 
 
-def _floats(out: Any) -> list:
-    return [x.astype(jnp.float32) for x in floating_leaves(out)]
-
-
-def _loss(out: Any) -> jax.Array:
-    return sum((jnp.sum(x) for x in _floats(out)), jnp.float32(0))
+def _loss(out: Any, each: Callable[[jax.Array], jax.Array] = jnp.sum) -> jax.Array:
+    """The sum over the floating outputs, in float32, of `each` (by default their sum)."""
+    floats = [x.astype(jnp.float32) for x in floating_leaves(out)]
+    return sum((each(x) for x in floats), jnp.float32(0))
 
 
 def _square_loss(out: Any) -> jax.Array:
-    return sum((jnp.mean(jnp.square(x)) for x in _floats(out)), jnp.float32(0))
+    return _loss(out, lambda x: jnp.mean(jnp.square(x)))
 
 
 def split_diff(f: Callable, spec: CallSpec, first_n: int | None = None) -> tuple[list[int], Callable]:
@@ -104,17 +94,15 @@ def split_diff(f: Callable, spec: CallSpec, first_n: int | None = None) -> tuple
     return diff_idx, g
 
 
-def grad_step(f: Callable, spec: CallSpec, loss: Callable = _loss) -> Callable:
-    """`step(*dynamic)`: gradient of `loss` of the floating outputs of `f` (their sum by default)
-    w.r.t. floating inputs.
+def grad_step(f: Callable, avals: Sequence[Any], loss: Callable = _loss) -> Callable:
+    """`step(*avals)`: gradient of `loss` of the floating outputs of `f` (their sum by default)
+    w.r.t. its floating inputs. It profiles a block (or a chain of its copies) on its own: a
+    constant cotangent is enough to compare options; plans are verified on real losses
+    (`_verify.loss_step`)."""
+    diff_idx = [i for i, d in enumerate(avals) if _is_float(d)]
 
-    Used to profile one block on its own (a constant cotangent is enough to compare options);
-    plans are verified on real losses (`_verify.loss_step`).
-    """
-    diff_idx, g = split_diff(f, spec)
-
-    def step(*dyn: Any) -> Any:
-        return jax.grad(lambda d: loss(g(d, dyn)))([dyn[i] for i in diff_idx])
+    def step(*leaves: Any) -> Any:
+        return jax.grad(lambda d: loss(f(*scatter(leaves, diff_idx, d))))([leaves[i] for i in diff_idx])
 
     return step
 
@@ -157,11 +145,9 @@ def mesh_context(avals: Sequence[Any]) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
 
-def compiled_temp(fn: Callable, spec: CallSpec | tuple, options: dict | None = None) -> tuple[int, float]:
-    """Compiler's temp bytes and FLOPs of `fn(*spec.dynamic)` (abstract: no device memory),
-    compiled with `options` (`measuring_options()` by default; those where the jaxlib does not
-    know one of `options`)."""
-    avals = spec.dynamic if isinstance(spec, CallSpec) else spec
+def compiled_temp(fn: Callable, avals: Sequence[Any], options: dict | None = None) -> tuple[int, float]:
+    """Compiler's temp bytes and FLOPs of `fn(*avals)` (abstract: no device memory), compiled with
+    `options` (`measuring_options()` by default; those where the jaxlib does not know one of `options`)."""
     with mesh_context(avals):
         lowered = jax.jit(fn).lower(*avals)
         try:
@@ -188,23 +174,16 @@ def compiled_temps(jobs: Sequence[tuple[Callable, tuple]]) -> list[int]:
 
 
 def chainable(f: Callable, spec: CallSpec, n_module: int) -> int | None:
-    """Index of the dynamic leaf that is args[0] if the output has exactly its type, else None."""
-    if len(spec.dynamic) <= n_module or _first_arg_leaf(spec) != n_module:
+    """`n_module`, the dynamic index of `args[0]`, if it is an array and the output has exactly its
+    type, else None."""
+    module_def, args_def, _ = jax.tree_util.treedef_children(spec.treedef)
+    first = module_def.num_leaves  # the leaf index of args[0]
+    if len(spec.dynamic) <= n_module or args_def.num_leaves == 0 or first in dict(spec.static):
         return None
-    out = jax.eval_shape(f, *spec.dynamic)
-    d = spec.dynamic[n_module]
+    out, d = jax.eval_shape(f, *spec.dynamic), spec.dynamic[n_module]
     if isinstance(out, jax.ShapeDtypeStruct) and (out.shape, out.dtype) == (d.shape, d.dtype):
         return n_module
     return None
-
-
-def _first_arg_leaf(spec: CallSpec) -> int | None:
-    """Dynamic index of the first leaf of `args[0]`, if it is an array."""
-    module_def, args_def, _ = jax.tree_util.treedef_children(spec.treedef)
-    first = module_def.num_leaves
-    if args_def.num_leaves == 0 or first in dict(spec.static):
-        return None
-    return n_module_leaves(spec)
 
 
 def n_module_leaves(spec: CallSpec) -> int:
@@ -234,8 +213,8 @@ def _at_the_end(profile: BlockProfile, spec: CallSpec, call: Callable) -> BlockP
     get real cotangents, and stay as they are."""
     if not any(o.peak_bytes for o in profile.options):  # left alone: nothing measured
         return profile
-    jobs = [(grad_step(o.option.profiled(spec, call), spec, _square_loss), spec.dynamic) for o in profile.options]
-    temps = compiled_temps(jobs)
+    steps = [grad_step(o.option.profiled(spec, call), spec.dynamic, _square_loss) for o in profile.options]
+    temps = compiled_temps([(step, spec.dynamic) for step in steps])
     peaks = raised_peaks([o.saved_bytes for o in profile.options], [max(o.peak_bytes, o.saved_bytes) for o in profile.options],
                          [t - o.saved_bytes for o, t in zip(profile.options, temps)])
     options = tuple(dataclasses.replace(o, peak_bytes=pk) for o, pk in zip(profile.options, peaks))
@@ -244,50 +223,52 @@ def _at_the_end(profile: BlockProfile, spec: CallSpec, call: Callable) -> BlockP
 
 def _profile_uncached(spec: CallSpec, call: Callable, menu: tuple, calibrate: bool) -> BlockProfile:
     f_none = spec.function(call)
+    forward = function_cost(f_none, *spec.dynamic)
     try:
-        base = jaxpr_cost(jax.make_jaxpr(grad_step(f_none, spec))(*spec.dynamic))
+        base = function_cost(grad_step(f_none, spec.dynamic), *spec.dynamic)
     except Exception as e:  # e.g. a `lax.while_loop` on floats: left alone, as it runs in the user's step
-        return _left_alone(f_none, spec, f"it cannot be reverse-differentiated on its own ({_reason(e)})")
-    raw, merged, skipped = _measure(spec, call, menu, base)
+        # with no remat, counted as keeping nothing (the compiled step, not the model, tells what it takes)
+        why = ("every policy", f"it cannot be reverse-differentiated on its own ({_reason(e)})")
+        return BlockProfile(forward, (PolicyProfile(NO_REMAT, 0, 0, 0, Cost(0, 0)),), (why,))
+    raw, skipped = _measure(spec, call, menu, base)
     peaks, calibrated = calibration(raw, spec, n_module_leaves(spec), calibrate)
     options = []
     for j, m in enumerate(raw):
-        measured = calibrated[j] if calibrated is not None else None
-        saved = measured if measured is not None else m.internal + m.args
-        peak = peaks[j] if peaks is not None else m.internal + m.args + _transient(raw[0])
-        options.append(PolicyProfile(
-            m.option, int(saved), int(max(peak, saved)), int(m.internal + m.args),
-            Cost(max(m.recompute.flops, 0), max(m.recompute.bytes, 0)), tuple(merged[j])))
-    forward = jaxpr_cost(jax.make_jaxpr(f_none)(*spec.dynamic))
+        counted = m.internal + m.args
+        measured = None if calibrated is None else calibrated[j]
+        saved = counted if measured is None else measured
+        # uncalibrated, the backward's working set is the no-remat residuals, rebuilt during it
+        peak = counted + raw[0].internal if peaks is None else peaks[j]
+        recompute = Cost(max(m.recompute.flops, 0), max(m.recompute.bytes, 0))
+        options.append(PolicyProfile(m.option, int(saved), int(max(peak, saved)), int(counted), recompute,
+                                     tuple(m.merged)))
     return BlockProfile(forward, tuple(options), tuple(skipped))
 
 
 def _measure(spec: CallSpec, call: Callable, menu: tuple, base: Cost,
-             ) -> tuple[list[_Measured], list[list[Option]], list[tuple[str, str]]]:
-    """`(measured, merged, skipped)`: each option's `_Measured` (no remat first), the options merged
-    into each (same residuals), and `(option name, why)` for options that failed for the block."""
+             ) -> tuple[list[_Measured], list[tuple[str, str]]]:
+    """`(measured, skipped)`: each option's `_Measured` (no remat first; an option of the same residuals
+    as an earlier one is in that one's `merged`), and `(option name, why)` of options that failed."""
     n_module = n_module_leaves(spec)
     raw: list[_Measured] = []
-    merged: list[list[Option]] = []
-    seen: dict[tuple, int] = {}
+    seen: dict[tuple, _Measured] = {}
     skipped = []
     for option in menu:
         f = option.profiled(spec, call)
         try:
             internal, args, sig = residuals(f, spec, n_module)
             if sig in seen and option != NO_REMAT:  # same residuals as an earlier option: merge
-                merged[seen[sig]].append(option)
+                seen[sig].merged.append(option)
                 continue
-            total = jaxpr_cost(jax.make_jaxpr(grad_step(f, spec))(*spec.dynamic))
+            total = function_cost(grad_step(f, spec.dynamic), *spec.dynamic)
         except Exception as e:
             if option == NO_REMAT or isinstance(e, PolicyError):  # the user's policy is wrong: say so
                 raise
             skipped.append((option.name, _reason(e)))
             continue
-        seen.setdefault(sig, len(raw))
-        raw.append(_Measured(option, internal, args, total - base, sig, f))
-        merged.append([])
-    return raw, merged, skipped
+        raw.append(_Measured(option, internal, args, total - base, f, []))
+        seen.setdefault(sig, raw[-1])
+    return raw, skipped
 
 
 def _reason(e: Exception) -> str:
@@ -295,50 +276,28 @@ def _reason(e: Exception) -> str:
     return f"{type(e).__name__}: {text[0][:160] if text else ''}"
 
 
-def _left_alone(f_none: Callable, spec: CallSpec, why: str) -> BlockProfile:
-    """A block smartremat cannot profile: its only option is no remat, counted as keeping nothing
-    (the compiled step, not the model, then tells what it takes)."""
-    forward = jaxpr_cost(jax.make_jaxpr(f_none)(*spec.dynamic))
-    none = PolicyProfile(NO_REMAT, 0, 0, 0, Cost(0, 0))
-    return BlockProfile(forward, (none,), (("every policy", why),))
-
-
-def _transient(none: _Measured) -> int:
-    """Uncalibrated backward working set: the no-remat residuals, rebuilt during the backward."""
-    return none.internal
-
-
 def calibration(raw: list[_Measured], spec: CallSpec, n_module: int,
                  calibrate: bool) -> tuple[Sequence[int] | None, Sequence[int | None] | None]:
-    """Ask the compiler for each option's own peak and kept bytes.
+    """`(peaks, saved)` from the compiler, or `(None, None)` when not calibrating: `peaks[j]`, the
+    temp bytes of the block's gradient alone under option `j`; `saved[j]` (None where the output
+    cannot feed the first argument), from copies of the block in a row, each with its own
+    parameters: `temp(j, j, none) - temp(j, none)`, what one more copy under `j` adds with its input
+    a temporary as in a stack (for no remat, `temp(none x 3) - temp(none x 2)`).
 
-    Returns `(peaks, saved)`, or `(None, None)` when not calibrating. `peaks[j]` is the compiled
-    temp bytes of the block's gradient alone under option `j`. When the block's output can feed
-    its first argument, `saved[j]` is measured on copies of the block in a row, each with its own
-    parameters, so that the backward of a last copy without remat is the peak while the copies
-    before it keep their bytes: `temp(j, j, none) - temp(j, none)`, what one more copy under `j`
-    adds with its input a temporary as in a stack (for no remat, `temp(none x 3) - temp(none x 2)`).
-
-    Where the copy under `j` hides below its own peak in `(j, none)`, that difference overstates
-    (a 24-layer transformer at d=768 keeps 12 MB a block under full remat, the difference said
-    47.77: docs/facts.md, fact 14), and a second round measures `temp(none, j, none) -
-    temp(none, none)`; where the copy hides there too, also `temp(none, j, none x 3) -
-    temp(none x 4)`, taking the smaller: below zero where the copy lends its weight gradients'
-    output buffers, written last, to the activations of the copies after it (fact 12: the tutorial
-    block under full remat takes 3.875 MB off them). Where that chain too is hidden, it is an
-    upper bound.
+    Where the copy under `j` hides below its own peak in `(j, none)`, that overstates (a 24-layer
+    transformer at d=768 keeps 12 MB a block under full remat, the difference said 47.77:
+    docs/facts.md, fact 14), and `_between` measures it between copies without remat.
     """
     if not calibrate:
         return None, None
-    jobs = [(grad_step(m.f, spec), spec.dynamic) for m in raw]
+    jobs = [(grad_step(m.f, spec.dynamic), spec.dynamic) for m in raw]
     chain_at = chainable(raw[0].f, spec, n_module)
     if chain_at is not None:
         jobs += [chain_job([m.f] * k + [raw[0].f], spec, n_module, chain_at) for m in raw for k in (1, 2)]
     temps = compiled_temps(jobs)
-    peaks = temps[: len(raw)]
+    peaks, chains = temps[: len(raw)], temps[len(raw):]
     if chain_at is None:
         return peaks, [None] * len(raw)
-    chains = temps[len(raw):]
     saved = [chains[2 * j + 1] - chains[2 * j] for j in range(len(raw))]
     hidden = [j for j in range(1, len(raw)) if chains[2 * j] <= peaks[j]]
     if hidden:  # the none option's chains are two and three copies without remat
@@ -349,9 +308,10 @@ def calibration(raw: list[_Measured], spec: CallSpec, n_module: int,
 def _between(saved: list[int], hidden: Sequence[int], peaks: Sequence[int], two_none: int,
              raw: list[_Measured], spec: CallSpec, n_module: int, chain_at: int) -> list[int]:
     """`saved` with, for each option `j` in `hidden`, `temp(none, j, none) - temp(none, none)`; where
-    the copy under `j` hides below its own peak there too, the smaller of that and
-    `temp(none, j, none x 3) - temp(none x 4)`: what a copy under `j` adds to (or, lending its
-    gradient buffers, takes off) copies without remat after it."""
+    the copy hides below its own peak there too, the smaller of that and `temp(none, j, none x 3) -
+    temp(none x 4)`: below zero where the copy lends its weight gradients' output buffers, written
+    last, to the activations of the copies after it (fact 12: the tutorial block under full remat
+    takes 3.875 MB off them). Where that chain too is hidden, it is an upper bound."""
     none = raw[0].f
     chains = [[none] * 4] + [c for j in hidden for c in ([none, raw[j].f, none], [none, raw[j].f] + [none] * 3)]
     four, *temps = compiled_temps([chain_job(c, spec, n_module, chain_at) for c in chains])
@@ -364,24 +324,17 @@ def _between(saved: list[int], hidden: Sequence[int], peaks: Sequence[int], two_
 
 
 def chain_job(fs: Sequence[Callable], spec: CallSpec, n_module: int, chain_at: int) -> tuple[Callable, tuple]:
-    """Gradient step of the block's copies `fs` in a row, each with its own parameters."""
+    """Gradient step of the block's copies `fs` in a row, each with its own parameters, and its avals."""
     n = len(spec.dynamic)
     avals = tuple(spec.dynamic) + tuple(spec.dynamic[:n_module]) * (len(fs) - 1)
-    diff_idx = [i for i, d in enumerate(avals) if _is_float(d)]
 
-    def loss(leaves: Sequence[Any]) -> jax.Array:
+    def chain(*leaves: Any) -> Any:
         rest = list(leaves[n_module:n])
         x = fs[0](*leaves[:n])
         for k, f in enumerate(fs[1:]):
             args = list(leaves[n + k * n_module: n + (k + 1) * n_module]) + rest
             args[chain_at] = x
             x = f(*args)
-        return _loss(x)
+        return x
 
-    def step(*leaves: Any) -> Any:
-        def of_diff(d: list[Any]) -> jax.Array:
-            return loss(scatter(leaves, diff_idx, d))
-
-        return jax.grad(of_diff)([leaves[i] for i in diff_idx])
-
-    return step, avals
+    return grad_step(chain, avals), avals

@@ -1,47 +1,23 @@
-"""Hold the model's frontier against the compiler with few whole-step compiles.
+"""Hold the model's frontier against the compiler with few whole-step compiles (docs/how-it-works.md,
+step 5, walks the rules).
 
-The candidates are the model's Pareto frontier (sorted by predicted peak, at most
-`MAX_CANDIDATES` points spread evenly) and the uniform plans. Compiling all of them costs one
-whole-step compile per candidate and loss; `search` compiles only:
+The candidates are the model's Pareto frontier (sorted by predicted peak, at most `MAX_CANDIDATES`
+points spread evenly) and the uniform plans. `search` compiles the point the model chooses, then
+guesses by the predicted peaks scaled by the compiled/predicted ratio of the nearest compiled point
+(every candidate if the lowest-peak point misses: fusion and buffer reuse can reorder plans near
+the floor); then frontier points until the cheapest fitting one is bracketed (`MISS_MARGIN`); then
+the uniform plans that could win (`FIT_MARGIN`, `WIN_MARGIN`), their predicted peaks scaled by the
+smallest ratio seen if below 1, never up (an under-predicted mixed plan must not rule out a uniform
+plan the model predicts well: with d61ddb0's profile the ResNet's mixed plans were 16-20% under;
+after XLA's fusion a uniform policy can take fewer FLOPs than the model says, by up to 1.6% of the
+step on the quick benchmark models: docs/facts.md, fact 9). A frontier point compiled alone has
+beside it a uniform plan the search would likely compile later (`spare`).
 
-1. the frontier point the model chooses: the cheapest whose predicted peak fits the budget (the
-   lowest-peak point if none does). If it misses, the next guess (predicted peaks scaled by the
-   compiled/predicted ratio of the nearest compiled point); if that misses too, the lowest-peak
-   point with the guess after. If the lowest-peak point misses, every candidate is compiled (the
-   model's lowest peak is not always the compiler's: fusion and buffer reuse can reorder plans
-   near the floor), and the budget is infeasible if none fits; the error then states the lowest
-   compiled temp of them all;
-2. frontier points chosen by the model's predicted peak, scaled by the ratio of compiled to
-   predicted bytes of the nearest compiled point, until the cheapest fitting point is bracketed:
-   it fits, and the next cheaper point misses, compiled or as predicted by more than `MISS_MARGIN`
-   of the budget when scaled by the smallest ratio seen (or it is the cheapest of all);
-3. the uniform plans that could win: their predicted peak, scaled by the smallest ratio seen if
-   below 1 (never up: one under-predicted mixed plan must not rule out a uniform plan the model
-   predicts well; with d61ddb0's profile the ResNet's mixed plans were 16-20% under), fits
-   within `FIT_MARGIN` of the budget, and the model's FLOPs exceed the best fitting candidate's
-   by at most `WIN_MARGIN` of its rank (its compiled FLOPs; the model's recompute FLOPs when a
-   block is scanned). After XLA's fusion a uniform policy can take fewer FLOPs than
-   the model says (docs/facts.md, fact 9): by up to 1.6% of the step on the quick benchmark
-   models.
-
-After the first compile, a step of 1 or 2 that would compile one frontier point alone compiles
-beside it a uniform plan that 3 would likely compile if the point fits (`_Spare`).
-
-Among the candidates compiled for this budget that fit, the one with the fewest compiled FLOPs
-wins (the model's FLOPs when a block is scanned: XLA counts a loop body once); candidates within
-`TIE_MARGIN` of it, and no costlier than a fitting uniform plan, are tied, and the one of fewest
-temp bytes wins (among those compiled: the rule does not compile more). Fit is therefore read off
-the compiler; never costing more than a fitting uniform plan, nor more than `TIE_MARGIN` above a
-fitting frontier point, holds for those the model does not rule out, which is all of them when the
-model errs by a constant factor (the tests check it against compiling everything). Which
-candidates are compiled depends only on the budget and the signature, never on what was planned
-before.
-
-With several losses (the decorator without `loss=`), the search compiles each candidate under
-the first loss only; a candidate's temp bytes under every loss (the largest counts) are compiled
-when it is about to be chosen, or when it may set the floor an error states. The first loss's
-figure is a lower bound of the largest, so a candidate refuted this way is marked as missing and
-the search goes on.
+The fitting candidate of fewest compiled FLOPs wins (the model's FLOPs when a block is scanned: XLA
+counts a loop body once); ties (within `TIE_MARGIN`, no costlier than a fitting uniform plan) go to
+the fewest temp bytes. Which candidates are compiled depends only on the budget and the signature.
+Under several losses, candidates are compiled under the first (a lower bound of the largest temp),
+and under every loss only when about to be chosen or when one may set the floor an error states.
 """
 
 from __future__ import annotations
@@ -65,7 +41,7 @@ WIN_MARGIN = 0.02
 #: budget fell (tests/test_step.py's and tests/test_fit.py's transformer; docs/fit.md, "Planning time").
 TIE_MARGIN = 0.005
 #: Candidates compiled together in one search step: a step that needs one fills the second with a
-#: uniform plan that could win (`_Spare`).
+#: uniform plan that could win (`spare` in `_search`).
 SPARE_BATCH = 2
 
 Choice = tuple[int, ...]
@@ -82,14 +58,11 @@ UNBUILT = (2**62, float("inf"))
 
 @dataclass(frozen=True)
 class Outcome:
-    """What the search found: the chosen candidate, its compiled `(temp, flops)`, the candidates
-    it compiled (under the first loss), those of them it also compiled under every loss,
-    each compiled candidate's predicted peak beside its compiled temp bytes, and (with
-    `tune=True`, `_tune.tuned`) the candidates timed."""
+    """What the search found: the chosen candidate and the candidates it compiled."""
 
     choice: Choice
-    compiled: tuple[int, float]
-    measured: tuple[Choice, ...]  # compiled (those that could not be built are counted in `skipped`)
+    compiled: tuple[int, float]  # the choice's compiled (temp, flops)
+    measured: tuple[Choice, ...]  # compiled under the first loss (those not built are counted in `skipped`)
     confirmed: tuple[Choice, ...] = ()  # the candidates also compiled under every loss
     checked: tuple[tuple[int, int], ...] = ()  # (predicted peak, compiled temp) per candidate compiled
     timed: tuple[tuple[int, float, float], ...] = ()  # with tune=True: (temp, flops, seconds) per candidate timed
@@ -111,11 +84,11 @@ class CandidateFigures:
     the first loss's temp, a lower bound."""
 
     def __init__(self, measure: Callable[[Choice], tuple[int, float]], progress: Callable[[str], None],
-                 confirm: Callable[[Choice], tuple[int, float]] | None):
+                 confirm: Callable[[Choice], tuple[int, float]] | None, raising: bool = False):
         self.measure, self.progress, self.confirm = measure, progress, confirm
         self.figures: dict[Choice, tuple[int, float]] = {}
         self.confirmed: set[Choice] = set()
-        self.raising = False  # `search` sets it: a candidate found unbuildable restarts its search
+        self.raising = raising  # (`search`'s) a candidate found unbuildable restarts the search
 
     def __call__(self, *choices: Choice) -> None:
         new = [c for c in dict.fromkeys(choices) if c not in self.figures]
@@ -143,26 +116,22 @@ class CandidateFigures:
             self.progress(f"compiling a candidate plan under every loss ({len(self.confirmed) + 1} so far)")
             self.confirmed.add(choice)
             try:
-                temp = self.confirm(choice)[0]
+                self.figures[choice] = (self.confirm(choice)[0], self.figures[choice][1])
             except Unbuildable:
                 self.figures[choice] = UNBUILT
                 if self.raising:
                     raise _Unbuilt() from None
-                return UNBUILT[0]
-            self.figures[choice] = (temp, self.figures[choice][1])
         return self.figures[choice][0]
 
     def floor(self) -> int:
         """The lowest exact temp bytes among the candidates compiled (branch and bound: a
         first-loss figure at or above the best exact one cannot beat it)."""
-        best = None
+        best = float("inf")
         for c in sorted(self.figures, key=lambda c: self.figures[c][0]):
-            if best is not None and self.figures[c][0] >= best:
+            if self.figures[c][0] >= best:
                 break
-            t = self.exact(c)
-            best = t if best is None else min(best, t)
-        assert best is not None
-        return best
+            best = min(best, self.exact(c))
+        return int(best)
 
 
 @dataclass(frozen=True)
@@ -190,8 +159,7 @@ def search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimate
     - `error`: the exception to raise, given the lowest compiled temp, when nothing fits.
     - `confirm`: a choice's compiled figures under every loss (the largest temp), if several.
     """
-    compiled = CandidateFigures(measure, progress, confirm)
-    compiled.raising = True
+    compiled = CandidateFigures(measure, progress, confirm, raising=True)
     while True:  # a candidate found unbuildable leaves the frontier, and the search goes on without it
         built = [u for u in uniforms if compiled.figures.get(u) != UNBUILT]
         live = [c for c in points if compiled.figures.get(c) != UNBUILT] or built
@@ -208,7 +176,28 @@ class _Unbuilt(Exception):
 def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimates, budget: int,
             compiled: CandidateFigures, rank: Callable[[Choice, float], float], error: Callable[[int], Exception]) -> Outcome:
     predicted = [model.peak(p) for p in points]
-    spare = _Spare(uniforms, model, compiled, points, predicted, budget, rank)
+
+    def spare(point: Choice, *more: Choice) -> tuple[Choice, ...]:
+        """The frontier point about to be compiled alone, with up to `SPARE_BATCH - 1` uniform plans
+        that could win if it fits: by the model's FLOPs no more than the point's, within the margin
+        of the best fitting candidate's rank (while none fits, the costliest compiled one's, which is
+        lower: the plan that fits will cost more). A step compiling one candidate leaves a core
+        idle; a uniform plan the search would most likely compile later compiles there in the same
+        wall time. The batch size is fixed, not the core count, so that which candidates are
+        compiled does not depend on the machine."""
+        figures, batch = compiled.figures, (point, *more)
+        if not figures or len(batch) >= SPARE_BATCH:
+            return batch
+        best = _best(compiled, budget, rank)
+        if best is None:
+            built = [c for c in figures if figures[c] != UNBUILT]
+            if not built:
+                return batch
+            best = max(built, key=lambda c: rank(c, figures[c][1]))
+        could = _could_win(uniforms, model, compiled, points, predicted, budget, best, rank, against=point)
+        ready = [u for u in could if u not in batch]
+        return batch + tuple(ready[: SPARE_BATCH - len(batch)])
+
     guess = _guess(points, predicted, {}, budget, 0, len(points))
     compiled(points[guess])
     for attempt in range(2):  # missed: the next guess; missed again: with the lowest-peak point
@@ -259,7 +248,7 @@ def _could_win(uniforms: Sequence[Choice], model: Estimates, compiled: Candidate
     """The uniform plans not compiled yet that the model does not rule out: they could fit and
     could cost no more than `best` (see the module docstring); with `against`, no more than it by
     the model's FLOPs, within the margin of `best`'s rank."""
-    scale = min([1.0, *_ratios(points, predicted, compiled.figures)])  # never scaled up (see the module docstring)
+    scale = min([1.0, *_ratios(points, predicted, compiled.figures).values()])  # never scaled up
     slack = WIN_MARGIN * abs(rank(best, compiled.figures[best][1]))
     ref = model.flops(best if against is None else against)
     return [u for u in uniforms if u not in compiled.figures
@@ -267,65 +256,28 @@ def _could_win(uniforms: Sequence[Choice], model: Estimates, compiled: Candidate
             and model.flops(u) - ref <= slack]
 
 
-@dataclass(frozen=True)
-class _Spare:
-    """`spare(point)`: the frontier point about to be compiled alone, with up to `SPARE_BATCH - 1`
-    uniform plans that could win if it fits: by the model's FLOPs no more than the point's, within
-    the margin of the best fitting candidate's rank (while none fits, the costliest compiled one's,
-    which is lower: the plan that fits will cost more). A step that compiles one candidate leaves
-    a core idle; a uniform plan the search would most likely compile later compiles there in the
-    same wall time. The batch size is fixed, not the machine's core count, so that which
-    candidates are compiled does not depend on the machine."""
-
-    uniforms: Sequence[Choice]
-    model: Estimates
-    compiled: CandidateFigures
-    points: Sequence[Choice]
-    predicted: Sequence[float]
-    budget: int
-    rank: Callable[[Choice, float], float]
-
-    def __call__(self, point: Choice, *more: Choice) -> tuple[Choice, ...]:
-        figures = self.compiled.figures
-        batch = (point, *more)
-        if not figures or len(batch) >= SPARE_BATCH:
-            return batch
-        best = _best(self.compiled, self.budget, self.rank)
-        if best is None:
-            built = [c for c in figures if figures[c] != UNBUILT]
-            if not built:
-                return batch
-            best = max(built, key=lambda c: self.rank(c, figures[c][1]))
-        ready = [u for u in _could_win(self.uniforms, self.model, self.compiled, self.points, self.predicted,
-                                       self.budget, best, self.rank, against=point) if u not in batch]
-        return batch + tuple(ready[: SPARE_BATCH - len(batch)])
-
-
 def _bracket(points: Sequence[Choice], predicted: Sequence[float], compiled: CandidateFigures, budget: int,
              spare: Callable[..., tuple[Choice, ...]]) -> None:
     """Compile frontier points until a fitting one is known and the next cheaper one misses,
-    compiled or as predicted by more than `MISS_MARGIN` (or the cheapest point fits).
-    Interpolation by the calibrated model, falling back to bisection when the bracket does not
-    shrink fast."""
+    compiled or as predicted (scaled by the smallest ratio seen) by more than `MISS_MARGIN` (or the
+    cheapest point fits). Interpolation by the calibrated model, falling back to bisection when the
+    bracket does not shrink fast."""
     lo, hi = _known_bracket(points, compiled.figures, budget)
     steps = 0
-    while hi - lo > 1 and not (lo >= 0 and _misses(points, predicted, compiled.figures, budget, lo + 1)):
+    while hi - lo > 1:
+        ratios = _ratios(points, predicted, compiled.figures).values()
+        if lo >= 0 and ratios and predicted[lo + 1] * min(ratios) > budget * (1 + MISS_MARGIN):
+            return
         i = (lo + hi) // 2 if steps >= 2 else _guess(points, predicted, compiled.figures, budget, lo + 1, hi)
         compiled(*spare(points[i]))
         lo, hi = _known_bracket(points, compiled.figures, budget)
         steps += 1
 
 
-def _misses(points: Sequence[Choice], predicted: Sequence[float], figures: dict, budget: int, i: int) -> bool:
-    """Whether point `i`, scaled by the smallest compiled/predicted ratio of the frontier points
-    compiled so far, misses the budget by more than `MISS_MARGIN`."""
-    ratios = _ratios(points, predicted, figures)
-    return bool(ratios) and predicted[i] * min(ratios) > budget * (1 + MISS_MARGIN)
-
-
-def _ratios(points: Sequence[Choice], predicted: Sequence[float], figures: dict) -> list[float]:
-    """Compiled over predicted bytes of each frontier point compiled so far."""
-    return [figures[p][0] / max(q, 1) for p, q in zip(points, predicted) if p in figures and figures[p] != UNBUILT]
+def _ratios(points: Sequence[Choice], predicted: Sequence[float], figures: dict) -> dict[int, float]:
+    """`{index: compiled over predicted bytes}` of each frontier point compiled so far."""
+    return {i: figures[p][0] / max(q, 1) for i, (p, q) in enumerate(zip(points, predicted))
+            if p in figures and figures[p] != UNBUILT}
 
 
 def _known_bracket(points: Sequence[Choice], figures: dict, budget: int) -> tuple[int, int]:
@@ -341,11 +293,10 @@ def _guess(points: Sequence[Choice], predicted: Sequence[float], figures: dict, 
            lo: int, hi: int) -> int:
     """The cheapest index in `[lo, hi)` whose predicted peak, scaled by the compiled/predicted
     ratio of the nearest compiled frontier point, fits `budget`."""
-    known = [(i, figures[p][0] / max(predicted[i], 1)) for i, p in enumerate(points)
-             if p in figures and figures[p] != UNBUILT]
+    known = _ratios(points, predicted, figures)
     best = lo
     for i in range(lo, hi):
-        ratio = min(known, key=lambda k: abs(k[0] - i))[1] if known else 1.0
+        ratio = known[min(known, key=lambda k: abs(k - i))] if known else 1.0
         if predicted[i] * ratio <= budget:
             best = i
     return best

@@ -1,26 +1,26 @@
 """Exact minimum-recompute choice under the order-aware peak, and the whole frontier.
 
-`solve` is a dynamic programme over stages in call order whose state is the bytes kept so
-far; states dominated in (kept bytes, cost) are dropped, which loses nothing because every
-later constraint only gets harder as kept bytes grow. All figures are integers, so the
-result is exact; `tests/test_solve.py` checks it against brute force. Without scan runs the
-whole frontier comes from one such programme whose states also carry the peak so far
-(`_frontier_free`), and each point's choice from one programme at its peak and cost: on the quick
-ResNet's 10 stages, 44 points in 0.12 s where solving once per point, with a bisection for the
-lowest peak at each cost (`frontier_by_solving`), took 2.17 s
-(`python benchmarks/planning_time.py --breakdown`, docs/results/planning_breakdown_cpu.txt).
+`solve` is a dynamic programme over stages in call order whose state is the bytes kept so far;
+states dominated in (kept bytes, cost) are dropped, which loses nothing because every later
+constraint only gets harder as kept bytes grow. All figures are integers, so the result is exact
+(`tests/test_solve.py` checks it against brute force). Without scan runs the whole frontier comes
+from one programme whose states also carry the peak so far (`_frontier_free`), each point's choice
+from one programme at its peak and cost: on the quick ResNet's 10 stages, 44 points in 0.12 s, where
+solving once per point with a bisection for the lowest peak at each cost (`frontier_by_solving`)
+took 2.17 s (`python benchmarks/planning_time.py --breakdown`, docs/results/planning_breakdown_cpu.txt).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from ._memory import Stage, cost_of, peak_of, respects_segments
+from ._memory import Stage, cost_of, peak_of
 
 _MAX_TIED_COMBOS = 4096
 
@@ -43,10 +43,8 @@ def _tied_variants(stages: Sequence[Stage]) -> Iterator[list[Stage]]:
         return
     sizes = [len(stages[groups[g][0]].saved) for g in tied]
     if np.prod(sizes, dtype=float) > _MAX_TIED_COMBOS:
-        raise ValueError(
-            f"{len(tied)} blocks are called more than once with {sizes} options each: too many "
-            "combinations to plan exactly. Name fewer blocks with `blocks=`."
-        )
+        raise ValueError(f"{len(tied)} blocks are called more than once with {sizes} options each: too many "
+                         "combinations to plan exactly. Name fewer blocks with `blocks=`.")
     for combo in itertools.product(*[range(s) for s in sizes]):
         fixed = {i: o for g, o in zip(tied, combo) for i in groups[g]}
         yield [st if i not in fixed else _only(st, fixed[i]) for i, st in enumerate(stages)]
@@ -56,21 +54,15 @@ _FORBIDDEN = np.iinfo(np.int64).max // 4  # an option a tied variant rules out
 
 
 def _only(st: Stage, o: int) -> Stage:
-    big = _FORBIDDEN
-    return Stage(
-        tuple(v if k == o else big for k, v in enumerate(st.saved)),
-        tuple(v if k == o else big for k, v in enumerate(st.peak)),
-        st.cost, st.group, st.run, st.segments, st.split_extra)
+    return dataclasses.replace(st, saved=tuple(v if k == o else _FORBIDDEN for k, v in enumerate(st.saved)),
+                               peak=tuple(v if k == o else _FORBIDDEN for k, v in enumerate(st.peak)))
 
 
 def _solve_free(stages: Sequence[Stage], limit: int, cap: int | None = None) -> Solution | None:
     """DP over (kept bytes, cost); with `cap`, states costing more are dropped (costs are >= 0).
-
-    Inside a scan run a state also carries its current option, the pieces used so far and
-    whether the run was declared split at its start (a split run keeps `split_extra` more bytes
-    per iteration, a whole one allows one piece); dominance is only applied between states with
-    the same such label.
-    """
+    Inside a scan run a state also carries its current option, the pieces used so far and whether
+    the run was declared split at its start (a split run keeps `split_extra` more bytes per
+    iteration, a whole one allows one piece); dominance applies between states of the same label."""
     state = (np.zeros(1, np.int64),) * 2 + (np.full(1, -1, np.int64),) + (np.zeros(1, np.int64),) * 2
     back: list[tuple[np.ndarray, np.ndarray]] = []
     for i, st in enumerate(stages):
@@ -83,13 +75,17 @@ def _solve_free(stages: Sequence[Stage], limit: int, cap: int | None = None) -> 
         keep = _pareto(k, c, ((pv + 1) * (st.segments + 2) + sg) * 2 + md)
         state = (k[keep], c[keep], pv[keep], sg[keep], md[keep])
         back.append((p[keep], op[keep]))
-    i = int(np.argmin(state[1]))
+    choice = _traced_back(back, int(np.argmin(state[1])))
+    return Solution(choice, peak_of(stages, choice), cost_of(stages, choice))
+
+
+def _traced_back(back: list[tuple[np.ndarray, np.ndarray]], i: int) -> tuple[int, ...]:
+    """The choice that reached final state `i`, from each stage's `(parent, option)` per state."""
     choice = []
-    for p, op in reversed(back):
-        choice.append(int(op[i]))
-        i = int(p[i])
-    choice.reverse()
-    return Solution(tuple(choice), peak_of(stages, choice), cost_of(stages, choice))
+    for parent, option in reversed(back):
+        choice.append(int(option[i]))
+        i = int(parent[i])
+    return tuple(reversed(choice))
 
 
 def _expand(st: Stage, o: int, state: tuple, cont: bool, start_mode: int, limit: int,
@@ -133,16 +129,8 @@ def solve(stages: Sequence[Stage], limit: int) -> Solution | None:
 
     Among equally cheap choices the one with the lowest peak is returned.
     """
-    best: Solution | None = None
-    for variant in _tied_variants(stages):
-        sol = _solve_free(variant, limit)
-        if sol is None:
-            continue
-        sol = Solution(sol.choice, peak_of(stages, sol.choice), cost_of(stages, sol.choice))
-        sol = _lowest_peak_at_cost(variant, sol)
-        if best is None or (sol.cost, sol.peak) < (best.cost, best.peak):
-            best = sol
-    return best
+    found = [_lowest_peak_at_cost(v, sol) for v in _tied_variants(stages) if (sol := _solve_free(v, limit))]
+    return min(found, key=lambda s: (s.cost, s.peak), default=None)
 
 
 def _lowest_peak_at_cost(stages: Sequence[Stage], sol: Solution) -> Solution:
@@ -155,50 +143,39 @@ def _lowest_peak_at_cost(stages: Sequence[Stage], sol: Solution) -> Solution:
             best, hi = s, min(mid, s.peak)
         else:
             lo = mid + 1
-    return Solution(best.choice, peak_of(stages, best.choice), cost_of(stages, best.choice))
+    return best
 
 
 def min_peak(stages: Sequence[Stage]) -> Solution:
     """A choice of the lowest modelled peak (ties: cheapest)."""
-    if any(st.run is not None for st in stages):
-        return _min_peak_bisect(stages)
-    best: Solution | None = None
-    for variant in _tied_variants(stages):
-        front = [(0, 0, ())]  # (kept, worst, choice)
-        for st in variant:
-            nxt = [(k + st.saved[o], max(w, k + st.peak[o]), ch + (o,))
-                   for k, w, ch in front for o in range(len(st.saved))]
-            nxt.sort(key=lambda t: (t[0], t[1]))
-            front, low = [], None
-            for t in nxt:
-                if low is None or t[1] < low:
-                    front.append(t)
-                    low = t[1]
-        for _, w, ch in front:
-            sol = Solution(ch, peak_of(stages, ch), cost_of(stages, ch))
-            if best is None or (sol.peak, sol.cost) < (best.peak, best.cost):
-                best = sol
-    assert best is not None  # every variant has at least the empty choice
-    # cheapest among the lowest-peak choices
-    cheapest = solve(stages, best.peak)
-    return cheapest if cheapest is not None else best
-
-
-def _min_peak_bisect(stages: Sequence[Stage]) -> Solution:
-    """Lowest limit any choice fits (bisection on the exact DP), then the cheapest there."""
     variants = list(_tied_variants(stages))
-    lo = 0
-    hi = sum(max(max(st.saved), 0) + st.split_extra for st in stages)  # kept bytes below zero only lower it
-    hi += max(max(st.peak) + st.split_extra for st in stages)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if any(_solve_free(v, mid) is not None for v in variants):
-            hi = mid
-        else:
-            lo = mid + 1
+    if any(st.run is not None for st in stages):  # the lowest limit any choice fits: bisection on the DP
+        lo, hi = 0, max(max(st.peak) + st.split_extra for st in stages)
+        hi += sum(max(max(st.saved), 0) + st.split_extra for st in stages)  # kept bytes below 0 only lower it
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if any(_solve_free(v, mid) is not None for v in variants):
+                hi = mid
+            else:
+                lo = mid + 1
+    else:
+        lo = min(_lowest_peak(v) for v in variants)
     sol = solve(stages, lo)
     assert sol is not None
     return sol
+
+
+def _lowest_peak(stages: Sequence[Stage]) -> int:
+    """The lowest peak of stages without scan runs: a DP over (kept bytes, peak so far), keeping the
+    states no other state beats in both."""
+    kept = worst = np.zeros(1, np.int64)
+    for st in stages:
+        options = [o for o in range(len(st.saved)) if st.peak[o] < _FORBIDDEN]
+        k = np.concatenate([kept + st.saved[o] for o in options])
+        w = np.concatenate([np.maximum(worst, kept + st.peak[o]) for o in options])
+        keep = _pareto(k, w, np.zeros_like(k))
+        kept, worst = k[keep], w[keep]
+    return int(worst.min())
 
 
 def frontier(stages: Sequence[Stage], max_points: int = 10_000) -> list[Solution]:
@@ -206,24 +183,25 @@ def frontier(stages: Sequence[Stage], max_points: int = 10_000) -> list[Solution
     (at most `max_points`, the highest-peak ones)."""
     if any(st.run is not None for st in stages):
         return frontier_by_solving(stages, max_points)
-    found = [sol for variant in _tied_variants(stages) for sol in _frontier_free(variant)]
-    found = [Solution(s.choice, peak_of(stages, s.choice), cost_of(stages, s.choice)) for s in found]
-    points = _pareto_points(found)
+    found = sorted((s for variant in _tied_variants(stages) for s in _frontier_free(variant)),
+                   key=lambda s: (s.peak, s.cost, s.choice))
+    points: list[Solution] = []
+    for sol in found:  # the (peak, cost) Pareto points, one choice each
+        if not points or sol.cost < points[-1].cost:
+            points.append(sol)
     return [_as_solved(stages, p) for p in points[max(0, len(points) - max_points):]]
 
 
 def _as_solved(stages: Sequence[Stage], point: Solution) -> Solution:
-    """`point` with the choice that solving at its peak and cost gives. Choices tied on peak and
-    cost (the same options on identical blocks, in another order) do not compile alike: on
-    tests/test_fit.py's 4-layer transformer another choice of a tie changed which plan the search
-    chose at a budget and made the compiled temp bytes rise as the budget fell (docs/fit.md,
-    "Planning time"). Solving at the point's peak and cost, under which
-    only choices reaching the point are left, picks the choice solving once per point did (one
-    programme per point; `tests/test_solve.py` checks the two agree)."""
+    """`point` with the choice that solving at its peak and cost gives (only choices reaching the
+    point are left there), as solving once per point does (`tests/test_solve.py` checks). Choices
+    tied on peak and cost (the same options on identical blocks, in another order) do not compile
+    alike: on tests/test_fit.py's transformer another choice of a tie made the compiled temp bytes
+    rise as the budget fell (docs/fit.md, "Planning time")."""
     for variant in _tied_variants(stages):
         sol = _solve_free(variant, point.peak, cap=point.cost)
-        if sol is not None and (peak_of(stages, sol.choice), cost_of(stages, sol.choice)) == (point.peak, point.cost):
-            return Solution(sol.choice, point.peak, point.cost)
+        if sol is not None and (sol.peak, sol.cost) == (point.peak, point.cost):
+            return sol
     raise AssertionError(f"no choice reaches the frontier point (peak {point.peak}, cost {point.cost})")
 
 
@@ -231,11 +209,8 @@ def frontier_by_solving(stages: Sequence[Stage], max_points: int = 10_000) -> li
     """`frontier` by solving once per point, each under a limit just below the last point's
     peak: for stages with scan runs, whose pieces the one-pass programme does not track."""
     points: list[Solution] = []
-    limit = np.iinfo(np.int64).max // 4
-    while len(points) < max_points:
-        sol = solve(stages, limit)
-        if sol is None:
-            break
+    limit = _FORBIDDEN
+    while len(points) < max_points and (sol := solve(stages, limit)) is not None:
         points.append(sol)
         limit = sol.peak - 1
     return sorted(points, key=lambda s: s.peak)
@@ -257,14 +232,8 @@ def _frontier_free(stages: Sequence[Stage]) -> list[Solution]:
         keep = _undominated(k, w, c)
         kept, worst, cost = k[keep], w[keep], c[keep]
         back.append((parent[keep], option[keep]))
-    out = []
-    for i in _undominated(np.zeros_like(worst), worst, cost):
-        choice, j = [], int(i)
-        for parent, option in reversed(back):
-            choice.append(int(option[j]))
-            j = int(parent[j])
-        out.append(Solution(tuple(reversed(choice)), int(worst[i]), int(cost[i])))
-    return out
+    return [Solution(_traced_back(back, int(i)), int(worst[i]), int(cost[i]))
+            for i in _undominated(np.zeros_like(worst), worst, cost)]
 
 
 def _undominated(k: np.ndarray, w: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -287,29 +256,3 @@ def _undominated(k: np.ndarray, w: np.ndarray, c: np.ndarray) -> np.ndarray:
         stair_w[j:end], stair_c[j:end] = [wi], [ci]
     return np.array(sorted(keep), np.int64)
 
-
-def _pareto_points(found: Sequence[Solution]) -> list[Solution]:
-    """The (peak, cost) Pareto points among `found`, sorted by peak, one choice each."""
-    out: list[Solution] = []
-    for sol in sorted(found, key=lambda s: (s.peak, s.cost, s.choice)):
-        if not out or sol.cost < out[-1].cost:
-            out.append(sol)
-    return out
-
-
-def brute_force(stages: Sequence[Stage], limit: int) -> Solution | None:
-    """Reference solver for tests: enumerate every choice."""
-    best = None
-    for choice in itertools.product(*[range(len(st.saved)) for st in stages]):
-        if any(stages[i].group == stages[j].group and choice[i] != choice[j]
-               for i in range(len(stages)) for j in range(i)):
-            continue
-        if not respects_segments(stages, choice):
-            continue
-        pk = peak_of(stages, choice)
-        if pk > limit:
-            continue
-        sol = Solution(choice, pk, cost_of(stages, choice))
-        if best is None or (sol.cost, sol.peak) < (best.cost, best.peak):
-            best = sol
-    return best

@@ -19,13 +19,9 @@ from . import _jax_private
 from ._cache import Identity, register_clear
 
 
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
-
-
 def is_traced(x: Any) -> bool:
     """Whether a leaf is traced (an array, a `ShapeDtypeStruct` or a tracer) rather than static."""
-    return _is_array(x) or isinstance(x, Tracer)
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, Tracer))
 
 
 def scatter(leaves: Sequence[Any], at: Sequence[int], values: Sequence[Any]) -> list[Any]:
@@ -48,11 +44,9 @@ def merge_leaves(treedef: Any, static: tuple[tuple[int, Any], ...], dynamic: Any
 def hashable(x: Any) -> Any:
     """A static leaf as a key part: itself if hashable, a mutable set or byte array by its value,
     else the object itself compared by identity (held, so its id cannot be reused meanwhile)."""
-    try:
+    with contextlib.suppress(TypeError):
         hash(x)
         return x
-    except TypeError:
-        pass
     if type(x) is set:
         return ("<set>", frozenset(hashable(v) for v in x))
     if type(x) is bytearray:
@@ -84,11 +78,8 @@ class CallSpec:
         return merge_leaves(self.treedef, self.static, dynamic)
 
     def function(self, fn: Callable, wrap: Callable | None = None) -> Callable:
-        """`f(*dynamic)` that calls `fn(module, *args, **kwargs)`, vmapped as recorded.
-
-        `wrap`, if given, wraps the per-example function (e.g. in `jax.checkpoint`) before
-        the vmap, exactly as the decorated module's forward does under the user's vmap.
-        """
+        """`f(*dynamic)` that calls `fn(module, *args, **kwargs)`, vmapped as recorded; `wrap` wraps the
+        per-example function (e.g. in `jax.checkpoint`) before the vmap, as under the user's vmap."""
 
         def per_example(*dynamic: Any) -> Any:
             module, args, kwargs = self.rebuild(dynamic)
@@ -101,10 +92,8 @@ class CallSpec:
 
 
 def make_spec(module: Any, args: tuple, kwargs: dict) -> CallSpec:
-    """Record the abstract signature of `module(*args, **kwargs)` as seen right now.
-
-    Leaves that are `BatchTracer`s of one `jax.vmap` are recorded with their whole batch.
-    """
+    """The abstract signature of `module(*args, **kwargs)` as seen right now; leaves that are
+    `BatchTracer`s of one `jax.vmap` are recorded with their whole batch."""
     leaves, treedef = jax.tree.flatten((module, tuple(args), dict(kwargs)))
     dynamic, static, in_axes = [], [], []
     size, trace = None, None
@@ -119,12 +108,11 @@ def make_spec(module: Any, args: tuple, kwargs: dict) -> CallSpec:
             in_axes.append(None)
             continue
         bsize, bdim, btrace = batch
-        if trace is not None and btrace is not trace:
-            raise NotImplementedError(_NESTED_VMAP)
-        if _jax_private.is_batched(_jax_private.inner_value(leaf)):
+        inner = _jax_private.inner_value(leaf)
+        if (trace is not None and btrace is not trace) or _jax_private.is_batched(inner):
             raise NotImplementedError(_NESTED_VMAP)
         size, trace = bsize, btrace
-        batched = jax.typeof(_jax_private.inner_value(leaf))
+        batched = jax.typeof(inner)
         dynamic.append(jax.ShapeDtypeStruct((bsize, *aval.shape), aval.dtype,
                                             sharding=_batch_first(placed_sharding(batched), bdim, len(aval.shape) + 1)))
         in_axes.append(0)
@@ -135,6 +123,10 @@ def make_spec(module: Any, args: tuple, kwargs: dict) -> CallSpec:
 def _mesh_of(sharding: Any) -> Any:
     mesh = getattr(sharding, "mesh", None)
     return mesh if mesh is not None and getattr(mesh, "size", 1) > 1 else None
+
+
+def _explicit(mesh: Any) -> bool:
+    return all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 
 
 @functools.lru_cache(maxsize=64)
@@ -150,11 +142,8 @@ register_clear(_concrete_mesh.cache_clear)
 def shardings_hidden(spec: CallSpec) -> bool:
     """Several devices, and no input of `spec` shows a sharding over Explicit mesh axes: JAX hides
     (Auto axes) or there is no per-device split, so figures are for one device doing all the work."""
-    def explicit(d: Any) -> bool:
-        mesh = _mesh_of(getattr(d, "sharding", None))
-        return mesh is not None and all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
-
-    return jax.device_count() > 1 and not any(explicit(d) for d in spec.dynamic)
+    meshes = [_mesh_of(getattr(d, "sharding", None)) for d in spec.dynamic]
+    return jax.device_count() > 1 and not any(m is not None and _explicit(m) for m in meshes)
 
 
 def placed_sharding(aval: Any) -> jax.sharding.NamedSharding | None:
@@ -165,11 +154,10 @@ def placed_sharding(aval: Any) -> jax.sharding.NamedSharding | None:
     mesh = _mesh_of(sharding)
     if mesh is None or sharding is None:
         return None
-    types = tuple(mesh.axis_types)
-    if not all(t == jax.sharding.AxisType.Explicit for t in types) and not _STEP_PLANNING[0]:
+    if not _explicit(mesh) and not _STEP_PLANNING[0]:
         warnings.warn(_AUTO_MESH, stacklevel=4)
     if not isinstance(mesh, jax.sharding.Mesh):
-        mesh = _concrete_mesh(tuple(mesh.axis_sizes), tuple(mesh.axis_names), types)
+        mesh = _concrete_mesh(tuple(mesh.axis_sizes), tuple(mesh.axis_names), tuple(mesh.axis_types))
     return jax.sharding.NamedSharding(mesh, sharding.spec)
 
 
@@ -184,9 +172,8 @@ def _batch_first(sharding: Any, bdim: int, ndim: int) -> Any:
 
 def sharding_key(d: jax.ShapeDtypeStruct) -> Any:
     s = getattr(d, "sharding", None)
-    if not isinstance(s, jax.sharding.NamedSharding):
-        return None
-    return (tuple(s.mesh.axis_names), tuple(s.mesh.axis_sizes), str(s.spec))
+    named = isinstance(s, jax.sharding.NamedSharding)
+    return (tuple(s.mesh.axis_names), tuple(s.mesh.axis_sizes), str(s.spec)) if named else None
 
 
 def abstract(x: Any) -> jax.ShapeDtypeStruct:
@@ -203,10 +190,9 @@ _STEP_LOCK = threading.Lock()
 
 @contextlib.contextmanager
 def planning_step() -> Iterator[None]:
-    """While `smartremat.filter_jit` plans a step, the warning about a mesh with Auto axes is not
-    given: it compiles the whole step with the arguments' shardings, its figures are per device,
-    and its plan says which figures are predicted for one device (`_step_plan.HIDDEN_NOTE`). A
-    process-wide count, as planning compiles candidates in worker threads."""
+    """While `smartremat.filter_jit` plans a step (a process-wide count: it compiles in worker
+    threads), no warning about a mesh with Auto axes: it compiles the whole step with the arguments'
+    shardings, and its plan says which figures are for one device (`_step_plan.HIDDEN_NOTE`)."""
     with _STEP_LOCK:
         _STEP_PLANNING[0] += 1
     try:
@@ -216,13 +202,10 @@ def planning_step() -> Iterator[None]:
             _STEP_PLANNING[0] -= 1
 
 
-_AUTO_MESH = (
-    "smartremat sees a device mesh whose axes are not `AxisType.Explicit`; inside `jit` JAX then "
-    "hides how each value is sharded, so smartremat profiles and compiles as if every input were "
-    "replicated, and its per-device figures are those of one device doing all the work "
-    "(pessimistic). Make the mesh with Explicit axes (`jax.make_mesh`'s default) so that "
-    "per-device bytes are counted."
-)
+_AUTO_MESH = ("smartremat sees a device mesh whose axes are not `AxisType.Explicit`; inside `jit` JAX then "
+              "hides how each value is sharded, so smartremat profiles and compiles as if every input were "
+              "replicated, and its per-device figures are those of one device doing all the work (pessimistic). "
+              "Make the mesh with Explicit axes (`jax.make_mesh`'s default) so that per-device bytes are counted.")
 
 
 def vmapped_spec(module: Any, args: tuple, kwargs: dict, axis_name: Any = None) -> CallSpec:
@@ -230,21 +213,16 @@ def vmapped_spec(module: Any, args: tuple, kwargs: dict, axis_name: Any = None) 
     every array in `args`/`kwargs` is the batch, the module is not batched)."""
     base = make_spec(module, args, kwargs)
     n_module = jax.tree_util.treedef_children(base.treedef)[0].num_leaves
-    static = {i for i, _ in base.static}
-    dyn_leaf = [i for i in range(len(base.dynamic) + len(base.static)) if i not in static]
-    in_axes = tuple(None if leaf < n_module else 0 for leaf in dyn_leaf)
+    unbatched = n_module - sum(i < n_module for i, _ in base.static)  # the module's dynamic leaves
+    in_axes = (None,) * unbatched + (0,) * (len(base.dynamic) - unbatched)
     sizes = {d.shape[0] for d, ax in zip(base.dynamic, in_axes) if ax == 0 and d.shape}
     if len(sizes) != 1:
-        raise ValueError(
-            f"`explain(..., vmap=True)` needs every array argument to share its leading (batch) "
-            f"axis; got leading sizes {sorted(sizes)}. Pass the batched inputs you would give "
-            "to `jax.vmap(model)`."
-        )
+        raise ValueError(f"`explain(..., vmap=True)` needs every array argument to share its leading (batch) "
+                         f"axis; got leading sizes {sorted(sizes)}. Pass the batched inputs you would give "
+                         "to `jax.vmap(model)`.")
     return CallSpec(base.treedef, base.dynamic, base.static, in_axes, sizes.pop(), axis_name)
 
 
-_NESTED_VMAP = (
-    "smartremat plans under at most one `jax.vmap` around the decorated module, and this call "
-    "is under two (or two different ones). Apply `jax.vmap` once over the batch (reshape "
-    "the extra axes into it), or call the module without nested vmaps."
-)
+_NESTED_VMAP = ("smartremat plans under at most one `jax.vmap` around the decorated module, and this call "
+                "is under two (or two different ones). Apply `jax.vmap` once over the batch (reshape the "
+                "extra axes into it), or call the module without nested vmaps.")

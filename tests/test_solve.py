@@ -4,8 +4,31 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from smartremat._memory import Stage, peak_of, respects_segments
-from smartremat._solve import brute_force, frontier, frontier_by_solving, min_peak, solve
+from smartremat._memory import Stage, cost_of, peak_of, segments_of
+from smartremat._solve import Solution, frontier, frontier_by_solving, min_peak, solve
+
+
+def respects_segments(stages, choice):
+    limits = {st.run: st.segments for st in stages if st.run is not None}
+    return all(n <= limits[r] for r, n in segments_of(stages, choice).items())
+
+
+def brute_force(stages, limit):
+    """Reference solver: enumerate every choice."""
+    best = None
+    for choice in itertools.product(*[range(len(st.saved)) for st in stages]):
+        if any(stages[i].group == stages[j].group and choice[i] != choice[j]
+               for i in range(len(stages)) for j in range(i)):
+            continue
+        if not respects_segments(stages, choice):
+            continue
+        pk = peak_of(stages, choice)
+        if pk > limit:
+            continue
+        sol = Solution(choice, pk, cost_of(stages, choice))
+        if best is None or (sol.cost, sol.peak) < (best.cost, best.peak):
+            best = sol
+    return best
 
 
 @st.composite
