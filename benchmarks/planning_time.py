@@ -6,6 +6,7 @@ solver alone.
     python benchmarks/planning_time.py --breakdown [--models ...]
     python benchmarks/planning_time.py --flops [--models ...]
     python benchmarks/planning_time.py --profiling-options [--models ...]
+    python benchmarks/planning_time.py --real [gpt2-small 24-layer]
 
 First call (per quick benchmark model, `benchmarks/run.py --quick` sizes): the plain training
 step's compile time; smartremat's first-call planning at the budget halfway between full remat's
@@ -33,6 +34,14 @@ the options whole steps are measured with (`measuring_options`) and with those b
 profiled with (`profiling_options`): seconds, and whether every temp agrees; then each
 uniform plan's whole step under both: temp bytes and FLOPs moved.
 
+With `--real`, at GPT-2-small size (12 layers, d=768, 12 heads, T=1024, batch 8, vocab 50257) and
+at 24 layers (d=1024, 16 heads, T=1024, batch 4): a whole SGD step's plain compile, then
+`smartremat.filter_jit`'s first plan of it at half its no-remat temp bytes (compile only), split
+into its compiles by what each is for (read off the smartremat frames on the compiling thread's
+stack: block profiles, the plain step for the tail, candidate steps, the head, timing, the step
+that runs), with their seconds summed and the wall time they cover; the rest of the wall time is
+tracing, lowering, solving and Python.
+
 With `--flops`, per model and at the budgets a quarter, half and three quarters of the way from full
 remat's compiled temp bytes to no remat's: each uniform plan's compiled FLOPs against the chosen
 plan's, beside the model's difference (recompute FLOPs), both as a share of the chosen plan's
@@ -56,6 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import benchmarks.common  # noqa: F401  (sets the CPU flag before JAX starts)
@@ -66,7 +76,7 @@ import jax.numpy as jnp
 
 import smartremat
 from benchmarks.common import replaced
-from benchmarks.models import GPTBlock, Stack
+from benchmarks.models import GPT, GPTBlock, Stack, gpt_loss
 from benchmarks.run import build
 from benchmarks.strategies import compile_step, exact, grad_step, strategy
 from smartremat.internal import (Stage, compiled_temp, compiled_temps, frontier, frontier_by_solving,
@@ -238,6 +248,99 @@ def profiling_options_rows(name: str) -> list[str]:
     return rows
 
 
+REAL = {"gpt2-small": (12, 768, 12, 1024, 8, 50257), "24-layer": (24, 1024, 16, 1024, 4, 50257)}
+
+
+def _kind(frames: list[tuple[str, str]]) -> str:
+    """What a compile is for, from the smartremat frames `(module, function)` on its thread's stack."""
+    modules = {m for m, _ in frames}
+    functions = {f for _, f in frames}
+    if "smartremat._profile" in modules:
+        return "block profiles"
+    if "smartremat._tune" in modules or "timed" in functions:
+        return "timing (tune=True)"
+    if "in_place" in functions:
+        return "head"
+    if "plain" in functions:
+        return "plain step (tail, auto budget)"
+    if "measure" in functions or "smartremat._verify" in modules:
+        return "candidate steps (verify)"
+    if "smartremat._filter_jit" in modules:
+        return "the step that runs"
+    return "other"
+
+
+def _recording_compiles(record: list) -> Any:
+    """`jax.stages.Lowered.compile`, recording `(kind, start, end)` of every compile."""
+    original = jax.stages.Lowered.compile
+
+    def compile(self, *args, **kwargs):
+        frame, frames = sys._getframe(1), []
+        while frame is not None:
+            module = frame.f_globals.get("__name__", "")
+            if module.startswith("smartremat"):
+                frames.append((module, frame.f_code.co_name))
+            frame = frame.f_back
+        t0 = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            record.append((_kind(frames), t0, time.perf_counter()))
+
+    return original, compile
+
+
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of `intervals` (compiles run in threads at once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        total += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return total
+
+
+def real_breakdown(size: str, share: float = 0.5) -> str:
+    """At a real size (`REAL`), compile only: the plain SGD step's compile, then
+    `smartremat.filter_jit`'s first plan (and compile) at half the no-remat temp bytes (`share`), split into
+    its compiles by what they are for (seconds summed over threads, and the wall time they cover),
+    the rest (tracing, lowering, solving, Python) being the wall time no compile covers."""
+    n, d, heads, t, b, v = REAL[size]
+    model = GPT(n, d, heads, t, v, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (b, t), 0, v)
+
+    def step(model, tokens):
+        loss, grads = eqx.filter_value_and_grad(gpt_loss)(model, tokens)
+        return loss, eqx.apply_updates(model, jax.tree.map(lambda g: -1e-3 * g, grads))
+
+    t0 = time.perf_counter()
+    plain = eqx.filter_jit(step).lower(model, tokens).compile()
+    plain_s = time.perf_counter() - t0
+    none_temp = plain.compiled.memory_analysis().temp_size_in_bytes
+    record: list = []
+    original, recording = _recording_compiles(record)
+    smartremat.clear_caches()
+    jax.stages.Lowered.compile = recording
+    try:
+        t0 = time.perf_counter()
+        plan = smartremat.filter_jit(step, budget_mb=none_temp * share / MB).plan(model, tokens)
+        wall = time.perf_counter() - t0
+    finally:
+        jax.stages.Lowered.compile = original
+    kinds: dict[str, list] = {}
+    for kind, a, z in record:
+        kinds.setdefault(kind, []).append((a, z))
+    parts = "; ".join(f"{k}: {len(iv)} compiles, {sum(z - a for a, z in iv):.2f} s summed, "
+                      f"{_covered(iv):.2f} s wall" for k, iv in kinds.items())
+    covered = _covered([(a, z) for _, a, z in record])
+    error = abs(plan.predicted_peak_bytes - plan.compiled_peak_bytes) / plan.compiled_peak_bytes
+    return (f"{size} (GPT {n} layers, d={d}, {heads} heads, T={t}, batch {b}, vocab {v}): plain compile "
+            f"{plain_s:.2f} s (temp {none_temp / MB:.1f} MB); first plan at {none_temp * share / MB:.1f} MB "
+            f"{wall:.2f} s = x{wall / plain_s:.1f}, compiled {plan.compiled_peak_bytes / MB:.1f} MB "
+            f"(fits: {plan.compiled_peak_bytes <= none_temp * share}), model error {error:.3f}, Plan.compiles "
+            f"{plan.compiles}; compiles cover {covered:.2f} s of the wall time, the rest {wall - covered:.2f} s; "
+            f"{parts}")
+
+
 def plan_time(layers: int, calibrate: bool) -> tuple[float, smartremat.Plan]:
     smartremat.clear_caches()
     model = eqx.filter_eval_shape(
@@ -266,7 +369,14 @@ def main() -> None:
     ap.add_argument("--flops", action="store_true", help="only compare compiled and modelled FLOPs")
     ap.add_argument("--profiling-options", action="store_true",
                     help="only compare block-profile compiles with the measuring and the profiling options")
+    ap.add_argument("--real", nargs="*", choices=sorted(REAL),
+                    help="only the first plan of a whole SGD step through filter_jit at a real size, split into its compiles")
     args = ap.parse_args()
+    if args.real is not None:
+        os.environ["SMARTREMAT_DISK_CACHE"] = "0"
+        for size in args.real or sorted(REAL, reverse=True):
+            print(real_breakdown(size), flush=True)
+        return
     if args.profiling_options:
         os.environ["SMARTREMAT_DISK_CACHE"] = "0"
         for name in args.models:
