@@ -134,16 +134,16 @@ def rows(smart: list, fixed: dict[str, Run], plain_compile: float, tune: bool) -
 
 
 def check(size: str, repeat: int, out: pathlib.Path, names: list[str] = FIXED,
-          shares: tuple[float, ...] = SHARES) -> dict:
+          shares: tuple[float, ...] = SHARES, tunes: tuple[bool, ...] = (False, True)) -> dict:
     """Run the check and write its JSON and Markdown; returns the JSON's content. The test suite
-    runs it tiny, on fewer strategies and budgets (`names` holds "none" and "full")."""
+    runs it tiny, on fewer strategies, budgets and objectives (`names` holds "none" and "full")."""
     case = build("gpt", size)
     device = jax.devices()[0]
     fixed = fixed_runs(case, names)
     full, none = fixed["full"].temp, fixed["none"].temp
     budgets = [(full + s * (none - full)) / MB for s in shares]
-    smart = smart_runs(case, budgets, tune=False) + smart_runs(case, budgets, tune=True)
-    time_all(list(fixed.values()) + [r for _, r, _ in smart], repeat)
+    smart = {tune: smart_runs(case, budgets, tune) for tune in tunes}
+    time_all(list(fixed.values()) + [r for runs in smart.values() for _, r, _ in runs], repeat)
     plain = fixed["none"].first_s
     result = {
         "device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
@@ -151,7 +151,7 @@ def check(size: str, repeat: int, out: pathlib.Path, names: list[str] = FIXED,
         "repeat": repeat, "plain_compile_s": plain,
         "fixed": {n: {"temp_mb": r.temp / MB, "step_s": statistics.median(r.times), "compile_s": r.first_s,
                       "rel_diff_vs_no_remat": rel_diff(r.leaves(), fixed["none"].leaves())} for n, r in fixed.items()},
-        "smartremat": rows(smart[:len(budgets)], fixed, plain, False) + rows(smart[len(budgets):], fixed, plain, True),
+        "smartremat": [row for tune, runs in smart.items() for row in rows(runs, fixed, plain, tune)],
     }
     slug = re.sub(r"[^a-z0-9]+", "_", f"{device.platform} {device.device_kind}".lower()).strip("_")
     out.mkdir(parents=True, exist_ok=True)

@@ -128,17 +128,18 @@ def test_benchmark_times_short_steps_in_more_rounds(step, repeat, want):
 
 def test_the_gpu_check_runs_tiny_on_the_cpu(tmp_path):
     """`benchmarks/gpu_check.py` (a GPT-2-small step on a GPU) on a tiny GPT here, so it cannot rot:
-    every field, smartremat's steps fit and equal no remat's loss, gradients and update."""
+    every field, smartremat's step fits and equals no remat's loss, gradients and update (one budget,
+    the default objective: `tune=True` rows are made by the same code, and its planning is long)."""
     from benchmarks import gpu_check
 
-    result = gpu_check.check("tiny", 2, tmp_path, names=["none", "full", "dots"], shares=(0.5,))
+    result = gpu_check.check("tiny", 2, tmp_path, names=["none", "full"], shares=(0.5,), tunes=(False,))
     written = json.loads(next(tmp_path.glob("gpu_check_*.json")).read_text())
     assert written == json.loads(json.dumps(result)) and next(tmp_path.glob("gpu_check_*.md")).read_text()
     assert {"device", "platform", "jax", "smartremat", "plain_compile_s"} <= set(written)
-    assert set(written["fixed"]) == {"none", "full", "dots"}
+    assert set(written["fixed"]) == {"none", "full"}
     assert all(f["rel_diff_vs_no_remat"] < 1e-5 and f["step_s"] > 0 for f in written["fixed"].values())
     rows = written["smartremat"]
-    assert [r["tune"] for r in rows] == [False, True]
+    assert [r["tune"] for r in rows] == [False]
     none, full = written["fixed"]["none"]["temp_mb"], written["fixed"]["full"]["temp_mb"]
     for r in rows:
         assert r["budget_mb"] == pytest.approx((none + full) / 2)
