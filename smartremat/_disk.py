@@ -65,10 +65,10 @@ def _jaxlib_version() -> str:
 
 def _source(obj: Any) -> str | None:
     """The source text of a plain function, or `None` (a lambda typed into a REPL, a partial,
-    a callable object: nothing stable to key on)."""
+    a callable object, a file that no longer parses: nothing stable to key on)."""
     try:
         return inspect.getsource(obj) if inspect.isfunction(obj) else None
-    except (OSError, TypeError):
+    except Exception:  # noqa: BLE001  (OSError, TypeError, tokenize.TokenError, SyntaxError: no key)
         return None
 
 
@@ -90,9 +90,10 @@ def _avals_text(avals: Sequence[Any]) -> list:
 
 def _key_text(signature: Any, config: Any, extra: tuple = ()) -> str | None:
     """The text of a disk key, or `None` when some part of it has no stable text."""
+    if any(o not in DEFAULT_MENU for o in config.policies) or config.plan is not None:
+        return None
     blocks = None if config.blocks is None else _source(config.blocks)
-    if any(o not in DEFAULT_MENU for o in config.policies) or config.plan is not None \
-            or (config.blocks is not None and blocks is None):
+    if config.blocks is not None and blocks is None:
         return None
     devices = [(d.platform, d.device_kind) for d in jax.devices()]
     return repr((FORMAT, VERSION, _own_source(), jax.__version__, _jaxlib_version(), eqx.__version__,

@@ -194,6 +194,20 @@ def test_off_and_unstable_keys_store_nothing(disk, monkeypatch):
     assert list(disk.glob("*.json")) == []
 
 
+def test_a_blocks_function_whose_source_cannot_be_read_plans_without_a_disk_key(disk, monkeypatch):
+    # the file changed on disk after import: `inspect.getsource` fails with whatever the tokenizer raises
+    import inspect
+    import tokenize
+
+    def unreadable(obj):
+        raise tokenize.TokenError("EOF in multi-line statement", (1, 0))
+
+    model, x = _model()
+    monkeypatch.setattr(inspect, "getsource", unreadable)
+    plan = _plan(model, x, blocks=lambda m: m.layers)
+    assert plan.blocks and list(disk.glob("*.json")) == []
+
+
 def test_an_unreadable_or_foreign_file_is_ignored(disk, caplog):
     model, x = _model()
     first = _plan(model, x)
