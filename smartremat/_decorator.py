@@ -18,7 +18,7 @@ from ._model import Config
 from ._module_plan import get_plan
 from ._plan import Plan
 from ._env import MB
-from ._serialise import signature
+from ._key import module_key
 from ._policies import normalise_policies
 from ._spec import make_spec
 from ._verify import DEFAULT_LOSSES, UserLoss, abstract_args
@@ -140,7 +140,7 @@ def planned_call(module: Any, call: Callable, config: Config, args: tuple, kwarg
 
 def loaded_plan(plan: Plan, call: Callable, spec: Any) -> Plan:
     """The saved plan given as `smartremat(plan=...)`, checked against this call's signature."""
-    if plan.signature != signature(call, spec):
+    if plan.signature != module_key(call, spec).signature:
         raise ValueError(
             "`smartremat(plan=...)` was made for a different module or input signature (shapes, "
             "dtypes, batch, backend) than this call. Plan again (leave `plan=None`), or load the "

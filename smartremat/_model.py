@@ -201,6 +201,11 @@ def unplanned(model: MemoryModel) -> tuple[str, ...]:
     return tuple(dict.fromkeys(r for c in model.calls for r in c.unplanned))
 
 
+def as_notes(reasons: tuple[str, ...]) -> str:
+    """Reasons appended to an error message, one " Note: ..." sentence each."""
+    return "".join(f" Note: {r}." for r in reasons)
+
+
 def full_remat(menu: tuple[Option, ...]) -> Option:
     """`nothing_saveable` if on the menu, else the menu's last option."""
     return FULL_REMAT if FULL_REMAT in menu else menu[-1]

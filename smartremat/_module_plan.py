@@ -7,21 +7,20 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 
-from . import _disk
-from ._env import MB, barrier_hint, environment_key
+from ._env import MB, barrier_hint
 from ._head import in_place
-from ._model import Config, MemoryModel, assignment_of, build_model, unplanned
+from ._key import PlanKey, module_key
+from ._model import Config, MemoryModel, as_notes, assignment_of, build_model, unplanned
 from ._plan import Plan
 from ._planner import Runs, planned
 from ._policies import no_policy_error
 from ._profile import n_module_leaves
-from ._serialise import signature
 from ._spec import CallSpec, shardings_hidden
 from ._tune import Timed
 from ._verify import compiled_step, timed_step
@@ -41,11 +40,8 @@ class ModuleTarget:
     def name(self) -> str:
         return type(self.module).__name__
 
-    def key(self) -> Hashable:
-        return ("module", self.call, self.spec.key(), *environment_key())
-
-    def disk_key(self, config: Config) -> str | None:
-        return _disk.plan_key(self.call, self.spec, config)
+    def key(self) -> PlanKey:
+        return module_key(self.call, self.spec)
 
     def model(self, config: Config, progress: Callable[[str], None]) -> MemoryModel:
         return build_model(self.call, self.spec, self.module, config, progress)
@@ -77,9 +73,6 @@ class ModuleTarget:
         kind = "compiled temp bytes of the training step" if compiled else "predicted by smartremat's model"
         return infeasible(config, self.spec, floor, kind, unplanned(model))
 
-    def signature(self) -> str:
-        return signature(self.call, self.spec)
-
     def notes(self, model: MemoryModel) -> tuple[str, ...]:
         return ()
 
@@ -100,7 +93,7 @@ def infeasible(config: Config, spec: CallSpec, floor: int, kind: str, reasons: t
         f"`smartremat(budget_mb={config.budget_mb:g})` is below the lowest peak any remat plan "
         f"reaches for this module on inputs ({shapes}): {floor / MB:.3f} MB ({kind}). Raise "
         f"`budget_mb` to at least {up:.2f}, lower the batch size, or name finer blocks with "
-        "`blocks=` so that smaller pieces can be recomputed." + "".join(f" Note: {r}." for r in reasons) + _unseen_sharding(spec)
+        "`blocks=` so that smaller pieces can be recomputed." + as_notes(reasons) + _unseen_sharding(spec)
         + barrier_hint()
     )
 

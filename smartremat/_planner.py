@@ -14,7 +14,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,6 +22,7 @@ import jax
 
 from . import _disk
 from ._cache import KeyedCache
+from ._key import PlanKey
 from ._env import CPU_NOTE, MB, cpu_barrier_missing
 from ._memory import cost_of, peak_at, peak_of
 from ._model import Config, MemoryModel, assignment_of, choices_of, full_remat, stage_figures, uniform, unplanned
@@ -41,8 +42,7 @@ class Target(Protocol):
 
     @property
     def name(self) -> str: ...  # what progress and the log call it
-    def key(self) -> Hashable: ...
-    def disk_key(self, config: Config) -> str | None: ...
+    def key(self) -> PlanKey: ...
     def model(self, config: Config, progress: Callable[[str], None]) -> MemoryModel: ...
     def refined(self, model: MemoryModel, config: Config) -> tuple[MemoryModel, Config]: ...
     def runs(self, model: MemoryModel, choice: tuple[int, ...]) -> Runs: ...
@@ -50,7 +50,6 @@ class Target(Protocol):
     def losses(self, config: Config) -> int: ...
     def timed(self, runs: Runs, config: Config) -> Timed: ...
     def too_low(self, config: Config, model: MemoryModel, floor: int, compiled: bool) -> Exception: ...
-    def signature(self) -> str: ...
     def notes(self, model: MemoryModel) -> tuple[str, ...]: ...
 
 
@@ -68,12 +67,13 @@ _PLANS: KeyedCache[Planned] = KeyedCache()
 def planned(target: Target, config: Config) -> Planned:
     """The plan of `target` under `config`: made once per key in this process, read from the disk
     cache (`_disk`) where it holds one, else made and stored there."""
-    return _PLANS.get((target.key(), config), lambda: _stored_or_made(target, config))
+    key = target.key()
+    return _PLANS.get((key.memory, config), lambda: _stored_or_made(target, key, config))
 
 
-def _stored_or_made(target: Target, config: Config) -> Planned:
+def _stored_or_made(target: Target, key: PlanKey, config: Config) -> Planned:
     t0 = time.perf_counter()
-    text = target.disk_key(config)
+    text = key.text(config)
     stored = _disk.load(text)
     if stored is not None:
         plan = _disk.loaded(stored[0], time.perf_counter() - t0)
@@ -257,7 +257,7 @@ def assemble(model: MemoryModel, config: Config, sol: Solution, lowest: Solution
         assignment=assignment_of(model, sol.choice),
         stages=stages,
         menu=tuple(p.name for p in config.policies),
-        signature=target.signature(),
+        signature=target.key().signature,
     )
 
 

@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from collections.abc import Callable
-
-import jax
 
 from ._memory import Stage
 from ._plan import Plan, PlanBlock, PolicyFigures
 from ._env import MB
 from ._options import Nested, Option, from_json
 from ._policies import DEFAULT_MENU
-from ._spec import CallSpec
 from ._paths import path_str
 
 _BY_NAME = {o.name: o for o in DEFAULT_MENU}
-
-
-def signature(call: Callable, spec: CallSpec) -> str:
-    """A stable fingerprint of the call and its abstract signature (what a plan is valid for)."""
-    dyn = [(tuple(d.shape), str(d.dtype)) for d in spec.dynamic]
-    text = repr((getattr(call, "__qualname__", repr(call)), str(spec.treedef), dyn, spec.in_axes,
-                 spec.axis_size, jax.default_backend()))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def assignment_from_json(data: list) -> tuple:

@@ -369,15 +369,15 @@ def figures_of(compiled: Any) -> StepFigures:
                        int(m.alias_size_in_bytes), int(m.generated_code_size_in_bytes))
 
 
-def step_key(sig: Signature, entry_of: tuple, donate: str) -> tuple:
+def compiled_key(sig: Signature, entry_of: tuple, donate: str) -> tuple:
     """What a compiled step depends on: signature, each module call's plan, donation, backend and
     flags (a key for `step_figures` and `tune=True`'s times)."""
     return (sig.key(), tuple(assignment_key(a) for a in entry_of[1]), donate, *environment_key())
 
 
 def step_figures(sig: Signature, entry_of: tuple, donate: str) -> StepFigures:
-    """Figures of the compiled step, cached by `step_key`."""
-    return _FIGURES.get(step_key(sig, entry_of, donate), lambda: figures_of(
+    """Figures of the compiled step, cached by `compiled_key`."""
+    return _FIGURES.get(compiled_key(sig, entry_of, donate), lambda: figures_of(
         compile_quietly(lower_step(sig, entry_of, donate)[0], measuring_options())))
 
 

@@ -6,21 +6,21 @@ refines the model (`tail`), and a failure to fit is worded in terms of the step.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 
-from . import _disk
 from ._cache import Identity
-from ._env import MB, environment_key
-from ._model import Config, MemoryModel, after_stage, build_model, joined, split_assignment, unplanned
+from ._env import MB
+from ._key import PlanKey, step_key
+from ._model import Config, MemoryModel, after_stage, as_notes, build_model, joined, split_assignment, unplanned
 from ._plan import Plan
 from ._planner import Runs, planned
 from ._spec import planning_step, shardings_hidden
-from ._step import Signature, StepFigures, compile_quietly, lower_step, record, root_classes, step_figures, step_key, step_name
+from ._step import (Signature, StepFigures, compile_quietly, compiled_key, lower_step, record, root_classes,
+                    step_figures, step_name)
 from ._tune import Timed
 
 
@@ -46,11 +46,9 @@ class StepTarget:
         self.labels = [c.label for c in self.calls]
         self.limit = _device_limit(sig) if options.auto else None  # an automatic budget depends on it
 
-    def key(self) -> Hashable:
-        return ("step", Identity(self.fun), self.sig.key(), self.options, self.limit, *environment_key())
-
-    def disk_key(self, config: Config) -> str | None:
-        return _disk.step_key(self.sig, self.jaxpr, config, (self.options, self.limit, AUTO_RESERVE))
+    def key(self) -> PlanKey:
+        extra = (self.options, self.limit, AUTO_RESERVE)
+        return step_key(self.name, self.sig, self.jaxpr, Identity(self.fun), extra)
 
     def model(self, config: Config, progress: Callable[[str], None]) -> MemoryModel:
         return joined([build_model(c.call, c.spec, c.spec.rebuild(c.spec.dynamic)[0], config, progress)
@@ -84,16 +82,11 @@ class StepTarget:
         its donated arguments consumed by each call."""
         entry_of, donate = (self.classes, runs), self.options.donate
         build = lambda: compile_quietly(lower_step(self.sig, entry_of, donate)[0])  # noqa: E731
-        return Timed(step_key(self.sig, entry_of, donate), build, self.sig.avals, self.sig.donated(donate))
+        return Timed(compiled_key(self.sig, entry_of, donate), build, self.sig.avals, self.sig.donated(donate))
 
     def too_low(self, config: Config, model: MemoryModel, floor: int, compiled: bool) -> Exception:
         reasons = unplanned(model) + _no_saving(floor, self.plain(model).temp)
         return _too_low(self.fun, config, floor, "smartremat.filter_jit", self.options.auto, reasons)
-
-    def signature(self) -> str:
-        text = repr((self.name, _disk.without_addresses(str(self.sig.treedef)),
-                     [(a.shape, str(a.dtype)) for a in self.sig.avals], jax.default_backend()))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def notes(self, model: MemoryModel) -> tuple[str, ...]:
         sharded = any(len(getattr(a.sharding, "device_set", ())) > 1 for a in self.sig.avals)
@@ -184,7 +177,7 @@ def _too_low(fun: Callable, config: Config, floor: int, name: str, auto: bool,
         f"`{name}(budget_mb={asked} is below the lowest temp memory any remat plan reaches "
         f"for the step `{step_name(fun)}` on these arguments: {floor / MB:.3f} MB (compiled "
         f"temp bytes of the whole step, per device). Raise `budget_mb` to at least {up:.2f}, lower the "
-        "batch size, or shard the batch over more devices." + "".join(f" Note: {r}." for r in reasons))
+        "batch size, or shard the batch over more devices." + as_notes(reasons))
 
 
 def _no_module_call(fun: Callable, roots: list[tuple[str, Any]], name: str) -> str:
