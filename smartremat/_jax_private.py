@@ -97,3 +97,15 @@ def _equation_context(eqn: Any) -> Iterator[None]:
         user = contextlib.nullcontext()
     with user, manager:
         yield
+
+
+def key_value_store() -> Any:
+    """The `jax.distributed` coordination service's client (`key_value_set`,
+    `blocking_key_value_get`) that every process of the job reaches, or `None` (not initialised,
+    or JAX moved it; `_share` then broadcasts through public `multihost_utils`)."""
+    try:
+        from jax._src import distributed
+
+        return distributed.global_state.client
+    except (ImportError, AttributeError):
+        return None

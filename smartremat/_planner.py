@@ -15,8 +15,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import jax
 
@@ -30,6 +29,7 @@ from ._paths import path_str
 from ._plan import Plan, PlanBlock, PolicyFigures
 from ._search import MAX_CANDIDATES, CandidateFigures, Estimates, Outcome, search, spread
 from ._solve import Solution, frontier, min_peak, solve
+from ._share import shared, timing_together
 from ._tune import Timed, pool, timings, tuned
 
 logger = logging.getLogger("smartremat")
@@ -53,8 +53,7 @@ class Target(Protocol):
     def notes(self, model: MemoryModel) -> tuple[str, ...]: ...
 
 
-@dataclass(frozen=True)
-class Planned:
+class Planned(NamedTuple):
     """A plan and what runs: one assignment per module call of the step."""
 
     plan: Plan
@@ -66,9 +65,12 @@ _PLANS: KeyedCache[Planned] = KeyedCache()
 
 def planned(target: Target, config: Config) -> Planned:
     """The plan of `target` under `config`: made once per key in this process, read from the disk
-    cache (`_disk`) where it holds one, else made and stored there."""
+    cache (`_disk`) where it holds one, else made and stored there; in a `jax.distributed` job,
+    by process 0 only, and shared with the others (`_share`)."""
     key = target.key()
-    return _PLANS.get((key.memory, config), lambda: _stored_or_made(target, key, config))
+    time_runs = lambda candidates: timings([target.timed(r, config) for r in candidates])  # noqa: E731
+    made = lambda: shared(key, config.policies, lambda: _stored_or_made(target, key, config), time_runs)  # noqa: E731
+    return _PLANS.get((key.memory, config), lambda: Planned(*made()))
 
 
 def _stored_or_made(target: Target, key: PlanKey, config: Config) -> Planned:
@@ -174,7 +176,9 @@ def _measures(model: MemoryModel, config: Config, target: Target) -> tuple[Calla
         return target.measure(target.runs(model, choice), config, every_loss=True)
 
     def time_of(choices: list) -> list[tuple[float, ...]]:
-        return timings([target.timed(target.runs(model, c), config) for c in choices])
+        runs = [target.runs(model, c) for c in choices]
+        timing_together(runs)  # the job's other processes run them with this one
+        return timings([target.timed(r, config) for r in runs])
 
     return measure, confirm if target.losses(config) > 1 else None, time_of
 

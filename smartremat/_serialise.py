@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from typing import Any
 
 from ._memory import Stage
 from ._plan import Plan, PlanBlock, PolicyFigures
@@ -15,9 +17,10 @@ from ._paths import path_str
 _BY_NAME = {o.name: o for o in DEFAULT_MENU}
 
 
-def assignment_from_json(data: list) -> tuple:
-    """What `assignment_to_json` wrote; options of the default menu only."""
-    return tuple((tuple(tuple(step) for step in path), from_json(o, _policy)) for path, o in data)
+def assignment_from_json(data: list, named: Callable[[Any], Option] | None = None) -> tuple:
+    """What `assignment_to_json` wrote; `named` gives the option of a name (by default, those of
+    the default menu only)."""
+    return tuple((tuple(tuple(step) for step in path), from_json(o, named or _policy)) for path, o in data)
 
 
 def load_plan(source: str | os.PathLike | dict) -> Plan:
@@ -48,7 +51,7 @@ def load_plan(source: str | os.PathLike | dict) -> Plan:
             f"`load_plan(source=...)` needs the JSON that `Plan.save` writes (with 'assignment' and "
             f"'signature'); {where} holds {keys}. Save the plan with `plan.save(path)`.")
     try:
-        plan = _plan_of(data)
+        plan = plan_of(data)
     except PlanFileError as e:
         raise PlanFileError(f"`load_plan({where})`: {e}") from None
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
@@ -64,7 +67,8 @@ class PlanFileError(ValueError):
     """A saved plan that `load_plan` cannot read back."""
 
 
-def _plan_of(data: dict) -> Plan:
+def plan_of(data: dict, named: Callable[[Any], Option] | None = None) -> Plan:
+    """The `Plan` of `plan_data`'s dict, its options by `named` (`assignment_from_json`)."""
     mb = lambda key: round(data[key] * MB)
     return Plan(
         budget_bytes=mb("budget_mb"), predicted_peak_bytes=mb("predicted_peak_mb"),
@@ -77,7 +81,7 @@ def _plan_of(data: dict) -> Plan:
         checked=tuple((round(p * MB), round(c * MB)) for p, c in data.get("checked_mb", [])),
         timed=tuple((round(t * MB), float(f), float(s)) for t, f, s in data.get("timed", [])),
         backend=data["backend"], notes=tuple(data["notes"]),
-        assignment=assignment_from_json(data["assignment"]),
+        assignment=assignment_from_json(data["assignment"], named),
         signature=str(data["signature"]),
         stages=tuple(Stage(tuple(a), tuple(b), tuple(c), *rest) for a, b, c, *rest in data.get("stages", [])),
         menu=tuple(data.get("menu", [])),

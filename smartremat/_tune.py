@@ -19,6 +19,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
 
 from ._cache import KeyedCache
 from ._search import Choice, Outcome, CandidateFigures, spread
@@ -98,7 +100,7 @@ def _time_steps(steps: Sequence[Timed], rounds: int | None) -> tuple[tuple[float
     inputs = {sig: synthetic(avals) for sig, avals in inputs.items()}
     runs = [TimedRun(e, inputs[_signature(s.avals)], s.donated) for e, s in zip(executables, steps)]
     warm = [[r.once(), r.once()][1] for r in runs]  # warm-up
-    rounds = rounds_for(statistics.median(warm)) if rounds is None else rounds
+    rounds = agreed(rounds_for(statistics.median(warm))) if rounds is None else rounds  # one count per job
     times: list[list[float]] = [[] for _ in runs]
     for order in round_orders(len(runs), rounds):
         for j in order:
@@ -112,6 +114,15 @@ def round_orders(n: int, rounds: int, seed: int = ORDER_SEED) -> list[list[int]]
     up to 23% on this CPU (docs/facts.md, fact 18): a merely rotated order makes one step pay."""
     rng = random.Random(seed)
     return [rng.sample(range(n), n) for _ in range(rounds)]
+
+
+def agreed(value: int) -> int:
+    """Process 0's `value` in every process of a `jax.distributed` job (a collective: all of them
+    call it together), `value` itself in a job of one."""
+    if jax.process_count() == 1:
+        return value
+    with jax.ensure_compile_time_eval():
+        return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
 
 
 def _signature(avals: Sequence[jax.ShapeDtypeStruct]) -> tuple:
