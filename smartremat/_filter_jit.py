@@ -16,7 +16,8 @@ from ._cache import KeyedCache
 from ._env import environment_key
 from ._decorator import make_config
 from ._plan import Plan
-from ._step import Box, Signature, applying, bind, compile_quietly, lower_step, root_modules, split_args, step_name, traced, traced_once
+from ._step import (Box, Signature, applying, bind, compile_quietly, compiled_step, lower_step, root_modules, split_args,
+                    step_name, traced, traced_once)
 from ._step_plan import Entry, StepOptions, plan_step
 
 
@@ -45,8 +46,8 @@ class PlannedStep:
         entry = plan_step(self.__wrapped__, sig, roots, self.config, self.options)
         if traced:  # called inside an outer jit: the step is inlined there
             return entry, None, Box()
-        lowered, box = lower_step(sig, (entry.classes, entry.assignments), self.options.donate)
-        return entry, compile_quietly(lowered), box
+        compiled, box = compiled_step(sig, (entry.classes, entry.assignments), self.options.donate)
+        return entry, compiled, box
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         (entry, compiled, box), dynamic = self._entry(args, kwargs)

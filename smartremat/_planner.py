@@ -75,7 +75,7 @@ def planned(target: Target, config: Config) -> Planned:
 
 def _stored_or_made(target: Target, key: PlanKey, config: Config) -> Planned:
     t0 = time.perf_counter()
-    text = key.text(config)
+    text = key.text(config) if _disk.folder() is not None else None  # its text traces: not when off
     stored = _disk.load(text)
     if stored is not None:
         plan = _disk.loaded(stored[0], time.perf_counter() - t0)

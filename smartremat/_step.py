@@ -321,10 +321,27 @@ def applying(classes: frozenset, assignments: tuple) -> Callable[[], _intercept.
 
 
 _FIGURES: KeyedCache[StepFigures] = KeyedCache()
+#: The last few steps lowered, and compiled as they run: the step that runs is a candidate the
+#: search (or `tune=True`) has already lowered, and on a backend whose measuring compiles are its
+#: usual ones (`measuring_options()` empty: not the CPU), compiled.
+_LOWERED: KeyedCache[tuple[Any, Box]] = KeyedCache(max_entries=8)
+_COMPILED: KeyedCache[Any] = KeyedCache(max_entries=4)
 
 
 def lower_step(sig: Signature, entry_of: tuple, donate: str) -> tuple[Any, Box]:
-    """The step lowered with `(classes, assignments)` applied: `(jax Lowered, output box)`."""
+    """The step lowered with `(classes, assignments)` applied: `(jax Lowered, output box)`, once
+    per `compiled_key` among the last few."""
+    return _LOWERED.get(compiled_key(sig, entry_of, donate), lambda: _lowered(sig, entry_of, donate))
+
+
+def compiled_step(sig: Signature, entry_of: tuple, donate: str) -> tuple[Any, Box]:
+    """The step compiled as it runs (default options): `(executable, output box)`, once per
+    `compiled_key` among the last few."""
+    lowered, box = lower_step(sig, entry_of, donate)
+    return _COMPILED.get(compiled_key(sig, entry_of, donate), lambda: compile_quietly(lowered)), box
+
+
+def _lowered(sig: Signature, entry_of: tuple, donate: str) -> tuple[Any, Box]:
     classes, assignments = entry_of
     box = Box()
     f = traced(sig, applying(classes, assignments), box)
@@ -377,8 +394,16 @@ def compiled_key(sig: Signature, entry_of: tuple, donate: str) -> tuple:
 
 def step_figures(sig: Signature, entry_of: tuple, donate: str) -> StepFigures:
     """Figures of the compiled step, cached by `compiled_key`."""
-    return _FIGURES.get(compiled_key(sig, entry_of, donate), lambda: figures_of(
-        compile_quietly(lower_step(sig, entry_of, donate)[0], measuring_options())))
+    return _FIGURES.get(compiled_key(sig, entry_of, donate), lambda: figures_of(_measured(sig, entry_of, donate)))
+
+
+def _measured(sig: Signature, entry_of: tuple, donate: str) -> Any:
+    """The step compiled with `measuring_options()`: where those are the usual ones, the
+    executable the step runs (kept for it)."""
+    options = measuring_options()
+    if not options:
+        return compiled_step(sig, entry_of, donate)[0]
+    return compile_quietly(lower_step(sig, entry_of, donate)[0], options)
 
 
 def compile_quietly(lowered: Any, options: dict[str, Any] | None = None) -> Any:

@@ -19,8 +19,8 @@ from ._model import Config, MemoryModel, after_stage, as_notes, build_model, joi
 from ._plan import Plan
 from ._planner import Runs, planned
 from ._spec import planning_step, shardings_hidden
-from ._step import (Signature, StepFigures, compile_quietly, compiled_key, lower_step, record, root_classes,
-                    step_figures, step_name)
+from ._step import (Signature, StepFigures, compiled_key, compiled_step, record, root_classes, step_figures,
+                    step_name)
 from ._tune import Timed
 
 
@@ -81,7 +81,7 @@ class StepTarget:
         """The whole step under `runs`, as `_tune.timings` times it: lowered and compiled as it runs,
         its donated arguments consumed by each call."""
         entry_of, donate = (self.classes, runs), self.options.donate
-        build = lambda: compile_quietly(lower_step(self.sig, entry_of, donate)[0])  # noqa: E731
+        build = lambda: compiled_step(self.sig, entry_of, donate)[0]  # noqa: E731
         return Timed(compiled_key(self.sig, entry_of, donate), build, self.sig.avals, self.sig.donated(donate))
 
     def too_low(self, config: Config, model: MemoryModel, floor: int, compiled: bool) -> Exception:

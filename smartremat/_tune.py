@@ -9,6 +9,7 @@ process, and a tuned plan is stored on disk like any plan.
 from __future__ import annotations
 
 import math
+import os
 import random
 import statistics
 import time
@@ -94,7 +95,7 @@ def rounds_for(seconds: float, per_step: float = TUNE_SECONDS, floor: int = TUNE
 
 
 def _time_steps(steps: Sequence[Timed], rounds: int | None) -> tuple[tuple[float, ...], ...]:
-    with ThreadPoolExecutor(max(1, min(len(steps), 2))) as pool:
+    with ThreadPoolExecutor(max(1, min(len(steps), os.cpu_count() or 1))) as pool:
         executables = list(pool.map(lambda s: s.build(), steps))
     inputs = {_signature(s.avals): s.avals for s in steps}  # candidates of one signature share inputs
     inputs = {sig: synthetic(avals) for sig, avals in inputs.items()}

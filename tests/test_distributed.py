@@ -25,7 +25,11 @@ def _job(tmp_path, tune: bool, via: str) -> list[dict]:
     procs = [subprocess.Popen([sys.executable, "-m", "tests.distributed_job", str(p), port, str(int(tune)),
                                str(tmp_path / f"{p}.json"), via], cwd=root, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for p in (0, 1)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:  # a process waiting on its peer ignores SIGTERM (JAX's preemption notifier catches it)
+        for p in procs:
+            p.kill()
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]
     return [json.loads((tmp_path / f"{p}.json").read_text()) for p in (0, 1)]
