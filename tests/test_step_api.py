@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import smartremat
-from smartremat import MB, _step_plan
+from smartremat import MB, _step, _step_plan
 
 from benchmarks.models import TutorialStack
 from tests.helpers import tree_allclose
@@ -53,6 +53,19 @@ def test_plans_once_then_runs_without_retracing():
     assert len(traces) == n, "a second call with the same signature must not trace again"
     assert tree_allclose(first, second, rtol=0)
     assert tree_allclose(first, eqx.filter_jit(step)(*args), rtol=1e-6)
+
+
+def test_the_step_that_runs_is_lowered_once_with_its_candidate(monkeypatch):
+    """The plan's step was lowered (and compiled) as a candidate: running it lowers nothing again."""
+    lowered = []
+    original = _step._lowered
+    monkeypatch.setattr(_step, "_lowered", lambda *a: lowered.append(_step.compiled_key(*a)) or original(*a))
+    smartremat.clear_caches()
+    args = _setup()
+    planned = smartremat.filter_jit(step, budget_mb=8)
+    planned(*args)
+    assert planned.plan(*args).compiles >= 1 and len(lowered) >= 2  # the plain step and a candidate
+    assert len(set(lowered)) == len(lowered), "a step lowered twice in one planning"
 
 
 def test_lower_compile_and_explain_read_the_step_that_runs():
