@@ -63,10 +63,8 @@ def step_key(name: str, sig: Any, jaxpr: Any, memory: Hashable, extra: tuple) ->
     what else the plan depends on (filter_jit's options)."""
     avals = [(a.shape, str(a.dtype)) for a in sig.avals]
     text = repr((name, without_addresses(str(sig.treedef)), avals, jax.default_backend()))
-    disk = (without_addresses(str(sig.treedef)), _avals_text(sig.avals), _program(jaxpr))
-    extra_text = tuple(without_addresses(repr(e)) for e in extra)
     return PlanKey(("step", memory, sig.key(), extra, *environment_key()), _fingerprint(text),
-                   functools.partial(_disk_text, disk, extra=extra_text))
+                   functools.partial(_step_text, sig, jaxpr, extra))
 
 
 def _fingerprint(text: str) -> str:
@@ -87,6 +85,13 @@ def _module_text(call: Callable, spec: CallSpec, config: Any) -> str | None:
     signature = (str(spec.treedef), _avals_text(spec.dynamic), spec.in_axes, spec.axis_size,
                  without_addresses(repr(spec.axis_name)), _program(forward))
     return _disk_text(signature, config, tuple(losses))
+
+
+def _step_text(sig: Any, jaxpr: Any, extra: tuple, config: Any) -> str | None:
+    """The disk text of a step's key: the traced step (hashing its text takes a while at real
+    size, so only when the disk cache asks), its arguments, the configuration and `extra`."""
+    signature = (without_addresses(str(sig.treedef)), _avals_text(sig.avals), _program(jaxpr))
+    return _disk_text(signature, config, tuple(without_addresses(repr(e)) for e in extra))
 
 
 def _disk_text(signature: Any, config: Any, extra: tuple = ()) -> str | None:

@@ -68,7 +68,7 @@ def planned(target: Target, config: Config) -> Planned:
     cache (`_disk`) where it holds one, else made and stored there; in a `jax.distributed` job,
     by process 0 only, and shared with the others (`_share`)."""
     key = target.key()
-    time_runs = lambda candidates: timings([target.timed(r, config) for r in candidates])  # noqa: E731
+    time_runs = lambda candidates: _timings(target, config, candidates)  # noqa: E731
     made = lambda: shared(key, config.policies, lambda: _stored_or_made(target, key, config), time_runs)  # noqa: E731
     return _PLANS.get((key.memory, config), lambda: Planned(*made()))
 
@@ -178,9 +178,14 @@ def _measures(model: MemoryModel, config: Config, target: Target) -> tuple[Calla
     def time_of(choices: list) -> list[tuple[float, ...]]:
         runs = [target.runs(model, c) for c in choices]
         timing_together(runs)  # the job's other processes run them with this one
-        return timings([target.timed(r, config) for r in runs])
+        return _timings(target, config, runs)
 
     return measure, confirm if target.losses(config) > 1 else None, time_of
+
+
+def _timings(target: Target, config: Config, candidates: list[Runs]) -> list[tuple[float, ...]]:
+    """`_tune.timings` of the target's step under each of `candidates` (what runs)."""
+    return timings([target.timed(r, config) for r in candidates])
 
 
 #: The warning when `tune=True` cannot run its candidates.

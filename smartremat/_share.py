@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import itertools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -64,7 +65,7 @@ def shared(key: PlanKey, menu: tuple[Option, ...], make: Callable[[], Made],
     if jax.process_index() == 0:
         return _made_here(channel, make)
     named = {o.name: o for o in menu}.__getitem__
-    for k in range(1_000_000):
+    for k in itertools.count():
         data = json.loads(_receive(f"{channel.name}/{k}"))
         if "time" in data:
             time_runs([tuple(assignment_from_json(a, named) for a in runs) for runs in data["time"]])
@@ -75,7 +76,7 @@ def shared(key: PlanKey, menu: tuple[Option, ...], make: Callable[[], Made],
             plan = plan_of(data["plan"], named)
             plan = dataclasses.replace(plan, compiles=0, notes=plan.notes + (note,))
             return plan, tuple(assignment_from_json(a, named) for a in data["runs"])
-    raise AssertionError("unreachable")
+    raise AssertionError("unreachable")  # for the type checker: `itertools.count()` never ends
 
 
 def _made_here(channel: _Channel, make: Callable[[], Made]) -> Made:

@@ -194,6 +194,21 @@ def test_off_and_unstable_keys_store_nothing(disk, monkeypatch):
     assert list(disk.glob("*.json")) == []
 
 
+def test_with_the_cache_off_no_disk_key_is_made(disk, monkeypatch):
+    """A key's text hashes the traced program (seconds at real size): not made when nothing is stored."""
+    from smartremat import _key
+
+    def hashed(jaxpr):
+        raise AssertionError("the disk key's text was made with the disk cache off")
+
+    monkeypatch.setenv("SMARTREMAT_DISK_CACHE", "0")
+    monkeypatch.setattr(_key, "_program", hashed)
+    smartremat.clear_caches()
+    model, x = _model()
+    assert smartremat.explain(smartremat.filter_jit(_step, budget_mb=0.1), model, x).compiles > 0
+    assert _plan(model, x).blocks
+
+
 def test_a_blocks_function_whose_source_cannot_be_read_plans_without_a_disk_key(disk, monkeypatch):
     # the file changed on disk after import: `inspect.getsource` fails with whatever the tokenizer raises
     import inspect
