@@ -1,8 +1,9 @@
 """What every benchmark and study script imports first: the CPU flag and the disk cache setting.
 
-Import this module before JAX: it sets the CPU barrier flag (docs/facts.md, fact 1) when no NVIDIA
-GPU is present. On a GPU it must not be set: XLA:GPU then fails to compile remat
-("Unsupported instruction opcode: opt-barrier", seen on an H200 with jax 0.11.2).
+Import this module before JAX: it sets the CPU barrier flag (docs/facts.md, fact 1) when neither an
+NVIDIA GPU nor a TPU runtime (the `libtpu` package) is present. On a GPU it must not be set: XLA:GPU
+then fails to compile remat ("Unsupported instruction opcode: opt-barrier", seen on an H200 with
+jax 0.11.2); the TPU's compiler keeps the barrier without it.
 It also turns smartremat's disk plan cache off (unless SMARTREMAT_DISK_CACHE is set), so that the
 planning times benchmarks report are of planning, not of reading an earlier run's plans.
 The fixed strategies and the training step they are measured on are in `benchmarks/strategies.py`.
@@ -10,12 +11,14 @@ The fixed strategies and the training step they are measured on are in `benchmar
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
 
 CPU_FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
-if "jax" not in sys.modules and shutil.which("nvidia-smi") is None:
+ACCELERATOR = shutil.which("nvidia-smi") is not None or importlib.util.find_spec("libtpu") is not None
+if "jax" not in sys.modules and not ACCELERATOR:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + CPU_FLAG).strip()
 os.environ.setdefault("SMARTREMAT_DISK_CACHE", "0")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))

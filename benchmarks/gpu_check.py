@@ -1,7 +1,10 @@
 """The GPU check: a GPT-2-small training step on one accelerator, every fixed remat strategy against
 `smartremat.filter_jit` at three budgets, in a few minutes.
 
-    python benchmarks/gpu_check.py [--size gpt2-small|tiny] [--out docs/results] [--repeat 20]
+    python benchmarks/gpu_check.py [--size gpt2-small|tiny] [--batch B] [--out docs/results] [--repeat 20]
+
+`--batch` takes the first B of the size's sequences (GPT-2-small has 8: no remat's step needs about
+26 GB, more than a 16 GB accelerator holds, so run it there with `--batch 2`).
 
 The step is the one a user runs: next-token cross-entropy (`benchmarks.models.gpt_loss`), its
 gradient by `eqx.filter_value_and_grad`, and an SGD update; it returns the loss, the gradients and
@@ -29,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import benchmarks.common  # noqa: F401  (the CPU flag, only where there is no GPU)
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import re
@@ -134,10 +138,16 @@ def rows(smart: list, fixed: dict[str, Run], plain_compile: float, tune: bool) -
 
 
 def check(size: str, repeat: int, out: pathlib.Path, names: list[str] = FIXED,
-          shares: tuple[float, ...] = SHARES, tunes: tuple[bool, ...] = (False, True)) -> dict:
+          shares: tuple[float, ...] = SHARES, tunes: tuple[bool, ...] = (False, True),
+          batch: int | None = None) -> dict:
     """Run the check and write its JSON and Markdown; returns the JSON's content. The test suite
     runs it tiny, on fewer strategies, budgets and objectives (`names` holds "none" and "full")."""
     case = build("gpt", size)
+    if batch is not None:
+        if not 0 < batch <= case.x.shape[0]:
+            raise SystemExit(f"--batch {batch}: the {size} case has {case.x.shape[0]} sequences; "
+                             f"choose 1 to {case.x.shape[0]}")
+        case = dataclasses.replace(case, x=case.x[:batch], label=re.sub(r"batch \d+", f"batch {batch}", case.label))
     device = jax.devices()[0]
     fixed = fixed_runs(case, names)
     full, none = fixed["full"].temp, fixed["none"].temp
@@ -147,8 +157,8 @@ def check(size: str, repeat: int, out: pathlib.Path, names: list[str] = FIXED,
     plain = fixed["none"].first_s
     result = {
         "device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
-        "smartremat": smartremat.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""), "model": case.label,
-        "repeat": repeat, "plain_compile_s": plain,
+        "smartremat_version": smartremat.__version__, "command": " ".join(sys.argv), "xla_flags": os.environ.get("XLA_FLAGS", ""), "model": case.label,
+        "repeat": repeat, "matmul_precision": jax.config.jax_default_matmul_precision, "plain_compile_s": plain,
         "fixed": {n: {"temp_mb": r.temp / MB, "step_s": statistics.median(r.times), "compile_s": r.first_s,
                       "rel_diff_vs_no_remat": rel_diff(r.leaves(), fixed["none"].leaves())} for n, r in fixed.items()},
         "smartremat": [row for tune, runs in smart.items() for row in rows(runs, fixed, plain, tune)],
@@ -162,18 +172,18 @@ def check(size: str, repeat: int, out: pathlib.Path, names: list[str] = FIXED,
 
 def markdown(r: dict) -> str:
     lines = [f"# GPU check: {r['model']}", "",
-             f"{r['device']} ({r['platform']}), jax {r['jax']}, smartremat {r['smartremat']}, "
+             f"{r['device']} ({r['platform']}), jax {r['jax']}, smartremat {r['smartremat_version']}, "
              f"XLA_FLAGS=`{r['xla_flags']}`; plain step compile {r['plain_compile_s']:.2f} s; "
-             f"median of {r['repeat']} interleaved rounds", "",
+             f"median of {r['repeat']} interleaved rounds", "", f"    {r['command']}", "",
              "| strategy | temp MB | step ms | rel diff |", "|---|---|---|---|"]
     lines += [f"| {n} | {f['temp_mb']:.2f} | {f['step_s'] * 1e3:.2f} | {f['rel_diff_vs_no_remat']:.1e} |"
               for n, f in r["fixed"].items()]
-    lines += ["", "| smartremat | budget MB | temp MB | fits | step ms | / fastest fitting fixed | first call s "
-              "| / plain compile | rel diff |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| smartremat | budget MB | temp MB | predicted MB | fits | step ms | / fastest fitting fixed "
+              "| first call s | / plain compile | rel diff |", "|---|---|---|---|---|---|---|---|---|---|"]
     for s in r["smartremat"]:
         ratio = "-" if s["vs_fastest_fitting_fixed"] is None else f"{s['vs_fastest_fitting_fixed']:.3f}"
         lines.append(f"| {'tune=True' if s['tune'] else 'default'} | {s['budget_mb']:.2f} | {s['temp_mb']:.2f} "
-                     f"| {s['fits']} | {s['step_s'] * 1e3:.2f} | {ratio} | {s['first_call_s']:.2f} "
+                     f"| {s['predicted_mb']:.2f} | {s['fits']} | {s['step_s'] * 1e3:.2f} | {ratio} | {s['first_call_s']:.2f} "
                      f"| {s['first_call_vs_plain_compile']:.1f} | {s['rel_diff_vs_no_remat']:.1e} |")
     return "\n".join(lines) + "\n"
 
@@ -181,12 +191,25 @@ def markdown(r: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--size", default="gpt2-small", choices=["gpt2-small", "tiny"])
+    ap.add_argument("--batch", type=int, default=None, help="the first B sequences (default: all of the size's)")
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--strategies", default=",".join(FIXED), help="fixed strategies (none and full are needed)")
+    ap.add_argument("--shares", default=",".join(map(str, SHARES)), help="budgets, from full remat (0) to none (1)")
+    ap.add_argument("--objectives", default="default,tune", help="default, tune or both")
+    ap.add_argument("--precision", default=None, choices=["default", "high", "highest"],
+                    help="jax.default_matmul_precision for every step (a TPU multiplies float32 in bfloat16 "
+                         "passes by default, so remat changes rounding: 'highest' checks gradients exactly)")
     ap.add_argument("--out", default="docs/results")
     args = ap.parse_args(argv)
     if jax.default_backend() == "cpu" and args.size != "tiny":
         print("no accelerator: this is the CPU; --size tiny runs the check's machinery here", flush=True)
-    result = check(args.size, args.repeat, pathlib.Path(args.out))
+    names = args.strategies.split(",")
+    tunes = tuple({"default": False, "tune": True}[o] for o in args.objectives.split(","))
+    if not {"none", "full"} <= set(names) or not set(names) <= set(FIXED):
+        raise SystemExit(f"--strategies {args.strategies}: name none, full and any of {', '.join(FIXED)}")
+    with jax.default_matmul_precision(args.precision):
+        result = check(args.size, args.repeat, pathlib.Path(args.out), names,
+                       tuple(map(float, args.shares.split(","))), tunes, args.batch)
     print(markdown(result))
     return result
 

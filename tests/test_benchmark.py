@@ -132,14 +132,20 @@ def test_the_gpu_check_runs_tiny_on_the_cpu(tmp_path):
     the default objective: `tune=True` rows are made by the same code, and its planning is long)."""
     from benchmarks import gpu_check
 
-    result = gpu_check.check("tiny", 2, tmp_path, names=["none", "full"], shares=(0.5,), tunes=(False,))
+    result = gpu_check.main(["--size", "tiny", "--repeat", "2", "--out", str(tmp_path), "--strategies", "none,full",
+                             "--shares", "0.5", "--objectives", "default", "--batch", "1", "--precision", "highest"])
     written = json.loads(next(tmp_path.glob("gpu_check_*.json")).read_text())
     assert written == json.loads(json.dumps(result)) and next(tmp_path.glob("gpu_check_*.md")).read_text()
-    assert {"device", "platform", "jax", "smartremat", "plain_compile_s"} <= set(written)
+    assert {"device", "platform", "jax", "smartremat_version", "command", "plain_compile_s"} <= set(written)
+    assert written["model"].endswith("batch 1, vocab 64") and written["matmul_precision"] == "highest"
     assert set(written["fixed"]) == {"none", "full"}
     assert all(f["rel_diff_vs_no_remat"] < 1e-5 and f["step_s"] > 0 for f in written["fixed"].values())
     rows = written["smartremat"]
     assert [r["tune"] for r in rows] == [False]
+    with pytest.raises(SystemExit, match="--batch 3: the tiny case has 2 sequences; choose 1 to 2"):
+        gpu_check.main(["--size", "tiny", "--batch", "3", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--strategies none: name none, full and any of"):
+        gpu_check.main(["--size", "tiny", "--strategies", "none", "--out", str(tmp_path)])
     none, full = written["fixed"]["none"]["temp_mb"], written["fixed"]["full"]["temp_mb"]
     for r in rows:
         assert r["budget_mb"] == pytest.approx((none + full) / 2)
