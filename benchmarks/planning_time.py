@@ -65,6 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -338,7 +339,22 @@ def real_breakdown(size: str, share: float = 0.5) -> str:
             f"{wall:.2f} s = x{wall / plain_s:.1f}, compiled {plan.compiled_peak_bytes / MB:.1f} MB "
             f"(fits: {plan.compiled_peak_bytes <= none_temp * share}), model error {error:.3f}, Plan.compiles "
             f"{plan.compiles}; compiles cover {covered:.2f} s of the wall time, the rest {wall - covered:.2f} s; "
-            f"{parts}")
+            f"{parts}; {_floor_error(step, model, tokens, plain_s)}")
+
+
+def _floor_error(step: Callable, model: Any, tokens: Any, plain_s: float) -> str:
+    """The time until `filter_jit` at a 1 MB budget raises the infeasible-budget error (the floor), in
+    the same process after the first plan (smartremat's caches cleared, JAX's own left warm)."""
+    smartremat.clear_caches()
+    t0 = time.perf_counter()
+    try:
+        smartremat.filter_jit(step, budget_mb=1).plan(model, tokens)
+        return "a 1 MB budget did not raise"
+    except ValueError as e:
+        seconds = time.perf_counter() - t0
+        floor = re.search(r"at least ([0-9.]+)", str(e))
+        return (f"infeasible budget (1 MB): the error after {seconds:.2f} s = x{seconds / plain_s:.1f}, "
+                f"stating at least {floor.group(1) if floor else '?'} MB")
 
 
 def plan_time(layers: int, calibrate: bool) -> tuple[float, smartremat.Plan]:
