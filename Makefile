@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 OLDEST := .venv-oldest
 # The tests that reach JAX internals (_jax_private.py, _cost.py, tracing hooks), run again on the
 # lowest versions pyproject.toml declares (requirements/oldest.txt).
-OLDEST_TESTS := tests/test_api.py tests/test_profile.py tests/test_discover.py tests/test_robust.py tests/test_step_api.py
+OLDEST_TESTS := tests/test_api.py tests/test_profile.py tests/test_discover.py tests/test_robust.py tests/test_step_api.py tests/test_jax_config.py
 
 .PHONY: demo test test-full test-oldest fuzz clean
 

@@ -5,14 +5,22 @@ Public JAX cannot tell which transformation a tracer belongs to, and smartremat 
 runs the plain forward (`differentiated`); `smartremat.filter_jit` tells which step argument a
 module came from (`differentiated_from`). `bind_equation` serves the scan splitter. Without the
 private attributes each says "not batched" / "differentiated" / "itself".
+
+JAX's configuration context managers (`with jax.default_matmul_precision("highest"):`,
+`jax.enable_x64(True)`, ...) hold in the thread that entered them only; smartremat lowers and
+compiles in worker threads, which `carrying_config` gives the caller's settings
+(`jax._src.config.config_states`; public fallback: the public context managers of
+`PUBLIC_CONFIG`). `config_key` is what tracing depends on, as `jax.jit` keys its own cache.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+import functools
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, TypeVar
 
+import jax
 from jax import core as jax_core
 
 try:  # private: jax._src.interpreters.{batching,ad}
@@ -109,3 +117,59 @@ def key_value_store() -> Any:
         return distributed.global_state.client
     except (ImportError, AttributeError):
         return None
+
+
+try:  # private: jax._src.config
+    from jax._src import config as _config
+
+    _STATES: dict[str, Any] | None = _config.config_states
+    _UNSET = _config.config_ext.unset
+    _trace_context: Callable[[], Hashable] | None = _config.trace_context
+except Exception:  # pragma: no cover - public fallback
+    _STATES, _UNSET, _trace_context = None, object(), None
+
+#: The configuration options with a public context manager (`jax.<name>(value)`) that change what a
+#: traced step computes: the public fallback's settings to carry into worker threads.
+PUBLIC_CONFIG = ("default_matmul_precision", "enable_x64", "numpy_rank_promotion", "numpy_dtype_promotion",
+                 "default_device", "debug_nans", "debug_infs", "default_prng_impl", "threefry_partitionable",
+                 "softmax_custom_jvp")
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def thread_config() -> tuple[tuple[str, Any], ...]:
+    """The configuration this thread holds by context managers, `(name, value)` each: those set
+    in this thread alone (private), or the value of every `PUBLIC_CONFIG` option (public fallback)."""
+    if _STATES is not None:
+        return tuple((name, v) for name, state in list(_STATES.items()) if (v := state.get_local()) is not _UNSET)
+    return tuple((name, getattr(jax.config, f"jax_{name}")) for name in PUBLIC_CONFIG
+                 if hasattr(jax, name) and hasattr(jax.config, f"jax_{name}"))
+
+
+@contextlib.contextmanager
+def entered(settings: tuple[tuple[str, Any], ...]) -> Iterator[None]:
+    """`thread_config()` of another thread, entered in this one."""
+    with contextlib.ExitStack() as stack:
+        for name, value in settings:
+            manager = _STATES[name] if _STATES is not None else getattr(jax, name)
+            stack.enter_context(manager(value))
+        yield
+
+
+def carrying_config(fn: _F) -> _F:
+    """`fn`, to run in a worker thread under the configuration of the thread that calls this:
+    a step lowered there is the step the caller would lower."""
+    settings = thread_config()
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with entered(settings):
+            return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
+def config_key() -> Hashable:
+    """What tracing depends on in this thread's configuration: `jax.jit`'s own key
+    (`trace_context`; public fallback: `thread_config()`, every public option's value)."""
+    return _trace_context() if _trace_context is not None else thread_config()

@@ -23,6 +23,7 @@ from . import _disk
 from ._cache import KeyedCache
 from ._key import PlanKey
 from ._env import CPU_NOTE, MB, cpu_barrier_missing
+from ._jax_private import carrying_config
 from ._memory import cost_of, peak_at, peak_of
 from ._model import Config, MemoryModel, assignment_of, choices_of, full_remat, stage_figures, uniform, unplanned
 from ._paths import path_str
@@ -180,7 +181,8 @@ def _measures(model: MemoryModel, config: Config, target: Target) -> tuple[Calla
         timing_together(runs)  # the job's other processes run them with this one
         return _timings(target, config, runs)
 
-    return measure, confirm if target.losses(config) > 1 else None, time_of
+    # `_search` compiles candidates in worker threads: they lower under this thread's JAX configuration
+    return carrying_config(measure), carrying_config(confirm) if target.losses(config) > 1 else None, time_of
 
 
 def _timings(target: Target, config: Config, candidates: list[Runs]) -> list[tuple[float, ...]]:

@@ -20,6 +20,7 @@ from jax.extend import core as jcore
 
 from ._cache import KeyedCache
 from ._env import environment_key, measuring_options, profiling_options
+from ._jax_private import carrying_config
 from ._memory import raised_peaks
 from ._cost import Cost, aval_bytes, floating_leaves, function_cost
 from ._options import NO_REMAT, Option, PolicyError
@@ -170,7 +171,7 @@ def compiled_temps(jobs: Sequence[tuple[Callable, tuple]]) -> list[int]:
     options for block profiles (`_env.profiling_options`)."""
     options = profiling_options()
     with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
-        return [t for t, _ in pool.map(lambda job: compiled_temp(job[0], job[1], options), jobs)]
+        return [t for t, _ in pool.map(carrying_config(lambda job: compiled_temp(job[0], job[1], options)), jobs)]
 
 
 def chainable(f: Callable, spec: CallSpec, n_module: int) -> int | None:

@@ -24,6 +24,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from ._cache import KeyedCache
+from ._jax_private import carrying_config
 from ._search import Choice, Outcome, CandidateFigures, spread
 
 #: Frontier points of lower predicted peak than the search's choice that are timed beside it.
@@ -96,7 +97,7 @@ def rounds_for(seconds: float, per_step: float = TUNE_SECONDS, floor: int = TUNE
 
 def _time_steps(steps: Sequence[Timed], rounds: int | None) -> tuple[tuple[float, ...], ...]:
     with ThreadPoolExecutor(max(1, min(len(steps), os.cpu_count() or 1))) as pool:
-        executables = list(pool.map(lambda s: s.build(), steps))
+        executables = list(pool.map(carrying_config(lambda s: s.build()), steps))
     inputs = {_signature(s.avals): s.avals for s in steps}  # candidates of one signature share inputs
     inputs = {sig: synthetic(avals) for sig, avals in inputs.items()}
     runs = [TimedRun(e, inputs[_signature(s.avals)], s.donated) for e, s in zip(executables, steps)]
