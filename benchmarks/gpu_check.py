@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import benchmarks.common  # noqa: F401  (the CPU flag, only where there is no GPU)
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -139,9 +140,10 @@ def rows(smart: list, fixed: dict[str, Run], plain_compile: float, tune: bool) -
 
 def check(size: str, repeat: int, out: pathlib.Path, names: list[str] = FIXED,
           shares: tuple[float, ...] = SHARES, tunes: tuple[bool, ...] = (False, True),
-          batch: int | None = None) -> dict:
-    """Run the check and write its JSON and Markdown; returns the JSON's content. The test suite
-    runs it tiny, on fewer strategies, budgets and objectives (`names` holds "none" and "full")."""
+          batch: int | None = None, command: str | None = None) -> dict:
+    """Run the check and write its JSON and Markdown (`gpu_check_<device>[_batch<B>][_<precision>]`);
+    returns the JSON's content. The test suite runs it tiny, on fewer strategies, budgets and
+    objectives (`names` holds "none" and "full")."""
     case = build("gpt", size)
     if batch is not None:
         if not 0 < batch <= case.x.shape[0]:
@@ -157,13 +159,16 @@ def check(size: str, repeat: int, out: pathlib.Path, names: list[str] = FIXED,
     plain = fixed["none"].first_s
     result = {
         "device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
-        "smartremat_version": smartremat.__version__, "command": " ".join(sys.argv), "xla_flags": os.environ.get("XLA_FLAGS", ""), "model": case.label,
+        "smartremat_version": smartremat.__version__, "command": command or " ".join(sys.argv),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""), "model": case.label,
         "repeat": repeat, "matmul_precision": jax.config.jax_default_matmul_precision, "plain_compile_s": plain,
         "fixed": {n: {"temp_mb": r.temp / MB, "step_s": statistics.median(r.times), "compile_s": r.first_s,
                       "rel_diff_vs_no_remat": rel_diff(r.leaves(), fixed["none"].leaves())} for n, r in fixed.items()},
         "smartremat": [row for tune, runs in smart.items() for row in rows(runs, fixed, plain, tune)],
     }
-    slug = re.sub(r"[^a-z0-9]+", "_", f"{device.platform} {device.device_kind}".lower()).strip("_")
+    precision = jax.config.jax_default_matmul_precision
+    name = f"{device.platform} {device.device_kind} {f'batch{batch}' if batch else ''} {precision or ''}"
+    slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
     out.mkdir(parents=True, exist_ok=True)
     (out / f"gpu_check_{slug}.json").write_text(json.dumps(result, indent=1))
     (out / f"gpu_check_{slug}.md").write_text(markdown(result))
@@ -183,7 +188,8 @@ def markdown(r: dict) -> str:
     for s in r["smartremat"]:
         ratio = "-" if s["vs_fastest_fitting_fixed"] is None else f"{s['vs_fastest_fitting_fixed']:.3f}"
         lines.append(f"| {'tune=True' if s['tune'] else 'default'} | {s['budget_mb']:.2f} | {s['temp_mb']:.2f} "
-                     f"| {s['predicted_mb']:.2f} | {s['fits']} | {s['step_s'] * 1e3:.2f} | {ratio} | {s['first_call_s']:.2f} "
+                     f"| {s['predicted_mb']:.2f} | {s['fits']} | {s['step_s'] * 1e3:.2f} | {ratio} "
+                     f"| {s['first_call_s']:.2f} "
                      f"| {s['first_call_vs_plain_compile']:.1f} | {s['rel_diff_vs_no_remat']:.1e} |")
     return "\n".join(lines) + "\n"
 
@@ -195,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--strategies", default=",".join(FIXED), help="fixed strategies (none and full are needed)")
     ap.add_argument("--shares", default=",".join(map(str, SHARES)), help="budgets, from full remat (0) to none (1)")
-    ap.add_argument("--objectives", default="default,tune", help="default, tune or both")
+    ap.add_argument("--objectives", default="default,tune", help="comma-separated: default, tune")
     ap.add_argument("--precision", default=None, choices=["default", "high", "highest"],
                     help="jax.default_matmul_precision for every step (a TPU multiplies float32 in bfloat16 "
                          "passes by default, so remat changes rounding: 'highest' checks gradients exactly)")
@@ -203,13 +209,19 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if jax.default_backend() == "cpu" and args.size != "tiny":
         print("no accelerator: this is the CPU; --size tiny runs the check's machinery here", flush=True)
-    names = args.strategies.split(",")
-    tunes = tuple({"default": False, "tune": True}[o] for o in args.objectives.split(","))
+    names, objectives, shares = args.strategies.split(","), args.objectives.split(","), args.shares.split(",")
     if not {"none", "full"} <= set(names) or not set(names) <= set(FIXED):
         raise SystemExit(f"--strategies {args.strategies}: name none, full and any of {', '.join(FIXED)}")
-    with jax.default_matmul_precision(args.precision):
-        result = check(args.size, args.repeat, pathlib.Path(args.out), names,
-                       tuple(map(float, args.shares.split(","))), tunes, args.batch)
+    if not set(objectives) <= {"default", "tune"}:
+        raise SystemExit(f"--objectives {args.objectives}: name default, tune or both, comma-separated")
+    if not all(re.fullmatch(r"[0-9.]+", x) and 0 <= float(x) <= 1 for x in shares):
+        raise SystemExit(f"--shares {args.shares}: numbers from 0 (full remat's temp) to 1 (no remat's), "
+                         "comma-separated")
+    command = None if argv is None else " ".join(["benchmarks/gpu_check.py", *argv])
+    precision = contextlib.nullcontext() if args.precision is None else jax.default_matmul_precision(args.precision)
+    with precision:
+        result = check(args.size, args.repeat, pathlib.Path(args.out), names, tuple(map(float, shares)),
+                       tuple(o == "tune" for o in objectives), args.batch, command)
     print(markdown(result))
     return result
 

@@ -1,7 +1,7 @@
 """Facts of the environment smartremat runs in: the megabyte, the package version, the backend and
 XLA flags a compiled figure depends on, the XLA options of measuring compiles, and the CPU barrier
-flag (design fact 1: without it, XLA on the CPU undoes remat outside loops). It imports only
-`_jax_private`, a leaf."""
+flag (design fact 1: without it, XLA on the CPU undoes remat outside loops). A leaf: it imports
+nothing from the package."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ from collections.abc import Hashable
 from typing import Any
 
 import jax
-
-from ._jax_private import config_key
 
 MB = 2**20  #: smartremat's megabyte: `budget_mb=1` means 2**20 bytes.
 
@@ -29,9 +27,10 @@ VERSION = _version()
 
 
 def environment_key() -> tuple[Hashable, ...]:
-    """What else a compiled figure depends on: the backend, the XLA flags, and the JAX
-    configuration tracing reads in this thread (`with jax.default_matmul_precision(...)`, ...)."""
-    return jax.default_backend(), os.environ.get("XLA_FLAGS", ""), config_key()
+    """What else a compiled figure depends on: the backend and the XLA flags. (Not the JAX
+    configuration of the calling thread, `_jax_private.config_key`: a plan made inside a user's
+    trace must serve `explain` outside it, and the fuzzer replays a float32 plan in float64.)"""
+    return jax.default_backend(), os.environ.get("XLA_FLAGS", "")
 
 
 def measuring_options() -> dict[str, Any]:

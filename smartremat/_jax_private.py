@@ -125,8 +125,13 @@ try:  # private: jax._src.config
     _STATES: dict[str, Any] | None = _config.config_states
     _UNSET = _config.config_ext.unset
     _trace_context: Callable[[], Hashable] | None = _config.trace_context
+    #: Thread-local contexts that are not options: the meshes (`jax.set_mesh`, `with mesh:`), the
+    #: default device's context, `compute_on`, XLA metadata (never the trace itself).
+    _CONTEXTS = tuple(c for name in ("mesh_context_manager", "abstract_mesh_context_manager", "device_context",
+                                     "compute_on_context_manager", "xla_metadata_context_manager")
+                      if (c := getattr(_config, name, None)) is not None)
 except Exception:  # pragma: no cover - public fallback
-    _STATES, _UNSET, _trace_context = None, object(), None
+    _STATES, _UNSET, _trace_context, _CONTEXTS = None, object(), None, ()
 
 #: The configuration options with a public context manager (`jax.<name>(value)`) that change what a
 #: traced step computes: the public fallback's settings to carry into worker threads.
@@ -137,22 +142,27 @@ PUBLIC_CONFIG = ("default_matmul_precision", "enable_x64", "numpy_rank_promotion
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def thread_config() -> tuple[tuple[str, Any], ...]:
-    """The configuration this thread holds by context managers, `(name, value)` each: those set
-    in this thread alone (private), or the value of every `PUBLIC_CONFIG` option (public fallback)."""
+def thread_config() -> tuple[tuple[Any, Any], ...]:
+    """The configuration this thread holds by context managers, `(setting, value)` each: the
+    options and contexts set in this thread alone (private; an option is entered by calling it,
+    a context swapped in), or every `PUBLIC_CONFIG` option's context manager and value (public
+    fallback)."""
     if _STATES is not None:
-        return tuple((name, v) for name, state in list(_STATES.items()) if (v := state.get_local()) is not _UNSET)
-    return tuple((name, getattr(jax.config, f"jax_{name}")) for name in PUBLIC_CONFIG
+        held = (*_STATES.values(), *_CONTEXTS)
+        return tuple((c, v) for c in held if (v := c.get_local()) is not _UNSET)
+    return tuple((getattr(jax, name), getattr(jax.config, f"jax_{name}")) for name in PUBLIC_CONFIG
                  if hasattr(jax, name) and hasattr(jax.config, f"jax_{name}"))
 
 
 @contextlib.contextmanager
-def entered(settings: tuple[tuple[str, Any], ...]) -> Iterator[None]:
+def entered(settings: tuple[tuple[Any, Any], ...]) -> Iterator[None]:
     """`thread_config()` of another thread, entered in this one."""
     with contextlib.ExitStack() as stack:
-        for name, value in settings:
-            manager = _STATES[name] if _STATES is not None else getattr(jax, name)
-            stack.enter_context(manager(value))
+        for setting, value in settings:
+            if callable(setting):  # an option (its update hooks run) or a public context manager
+                stack.enter_context(setting(value))  # type: ignore[arg-type]
+            else:
+                stack.callback(setting.set_local, setting.swap_local(value))
         yield
 
 

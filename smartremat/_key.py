@@ -19,7 +19,6 @@ import equinox as eqx
 import jax
 
 from ._env import VERSION, environment_key
-from ._jax_private import config_key
 from ._policies import DEFAULT_MENU
 from ._profile import mesh_context
 from ._spec import CallSpec
@@ -32,7 +31,7 @@ FORMAT = 2  #: bumped when the disk cache's stored layout changes
 @dataclass(frozen=True)
 class PlanKey:
     """What a plan is valid for: the planned call (a decorated module's, or a whole step), its
-    abstract signature, the backend, the XLA flags and the JAX configuration tracing reads.
+    abstract signature, the backend and the XLA flags.
 
     - `memory`: hashable, for this process's cache (beside the configuration);
     - `signature`: the short fingerprint a saved plan carries, which `smartremat(plan=...)` checks;
@@ -104,8 +103,7 @@ def _disk_text(signature: Any, config: Any, extra: tuple = ()) -> str | None:
         return None
     devices = [(d.platform, d.device_kind) for d in jax.devices()]
     return repr((FORMAT, VERSION, _own_source(), jax.__version__, _jaxlib_version(), eqx.__version__,
-                 os.environ.get("XLA_FLAGS", ""), without_addresses(repr(config_key())), devices, signature, config.budget_bytes,
-                 [o.name for o in config.policies], blocks, config.calibrate, config.verify,
+                 os.environ.get("XLA_FLAGS", ""), devices, signature, config.budget_bytes, [o.name for o in config.policies], blocks, config.calibrate, config.verify,
                  config.scan_segments, config.nested, config.tune, extra))
 
 

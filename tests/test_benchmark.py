@@ -138,6 +138,8 @@ def test_the_gpu_check_runs_tiny_on_the_cpu(tmp_path):
     assert written == json.loads(json.dumps(result)) and next(tmp_path.glob("gpu_check_*.md")).read_text()
     assert {"device", "platform", "jax", "smartremat_version", "command", "plain_compile_s"} <= set(written)
     assert written["model"].endswith("batch 1, vocab 64") and written["matmul_precision"] == "highest"
+    assert written["command"].startswith("benchmarks/gpu_check.py --size tiny") and "_batch1_highest.json" in str(
+        next(tmp_path.glob("gpu_check_*.json")))
     assert set(written["fixed"]) == {"none", "full"}
     assert all(f["rel_diff_vs_no_remat"] < 1e-5 and f["step_s"] > 0 for f in written["fixed"].values())
     rows = written["smartremat"]
@@ -146,6 +148,10 @@ def test_the_gpu_check_runs_tiny_on_the_cpu(tmp_path):
         gpu_check.main(["--size", "tiny", "--batch", "3", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--strategies none: name none, full and any of"):
         gpu_check.main(["--size", "tiny", "--strategies", "none", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--objectives both: name default, tune or both, comma-separated"):
+        gpu_check.main(["--size", "tiny", "--objectives", "both", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--shares 0.5,2: numbers from 0"):
+        gpu_check.main(["--size", "tiny", "--shares", "0.5,2", "--out", str(tmp_path)])
     none, full = written["fixed"]["none"]["temp_mb"], written["fixed"]["full"]["temp_mb"]
     for r in rows:
         assert r["budget_mb"] == pytest.approx((none + full) / 2)
