@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-from collections.abc import Hashable
 from typing import Any
 
 import jax
@@ -26,10 +25,8 @@ def _version() -> str:
 VERSION = _version()
 
 
-def environment_key() -> tuple[Hashable, ...]:
-    """What else a compiled figure depends on: the backend and the XLA flags. (Not the JAX
-    configuration of the calling thread, `_jax_private.config_key`: a plan made inside a user's
-    trace must serve `explain` outside it, and the fuzzer replays a float32 plan in float64.)"""
+def environment_key() -> tuple[str, str]:
+    """What else a compiled figure depends on: the backend and the XLA flags."""
     return jax.default_backend(), os.environ.get("XLA_FLAGS", "")
 
 

@@ -10,14 +10,15 @@ JAX's configuration context managers (`with jax.default_matmul_precision("highes
 `jax.enable_x64(True)`, ...) hold in the thread that entered them only; smartremat lowers and
 compiles in worker threads, which `carrying_config` gives the caller's settings
 (`jax._src.config.config_states`; public fallback: the public context managers of
-`PUBLIC_CONFIG`). `config_key` is what tracing depends on, as `jax.jit` keys its own cache.
+`PUBLIC_CONFIG`). Plans are not keyed by these settings: a plan made inside a user's trace serves
+`explain` outside it (docs/real-models.md says what that leaves).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import jax
@@ -124,14 +125,13 @@ try:  # private: jax._src.config
 
     _STATES: dict[str, Any] | None = _config.config_states
     _UNSET = _config.config_ext.unset
-    _trace_context: Callable[[], Hashable] | None = _config.trace_context
     #: Thread-local contexts that are not options: the meshes (`jax.set_mesh`, `with mesh:`), the
     #: default device's context, `compute_on`, XLA metadata (never the trace itself).
     _CONTEXTS = tuple(c for name in ("mesh_context_manager", "abstract_mesh_context_manager", "device_context",
                                      "compute_on_context_manager", "xla_metadata_context_manager")
                       if (c := getattr(_config, name, None)) is not None)
 except Exception:  # pragma: no cover - public fallback
-    _STATES, _UNSET, _trace_context, _CONTEXTS = None, object(), None, ()
+    _STATES, _UNSET, _CONTEXTS = None, object(), ()
 
 #: The configuration options with a public context manager (`jax.<name>(value)`) that change what a
 #: traced step computes: the public fallback's settings to carry into worker threads.
@@ -178,8 +178,3 @@ def carrying_config(fn: _F) -> _F:
 
     return run  # type: ignore[return-value]
 
-
-def config_key() -> Hashable:
-    """What tracing depends on in this thread's configuration: `jax.jit`'s own key
-    (`trace_context`; public fallback: `thread_config()`, every public option's value)."""
-    return _trace_context() if _trace_context is not None else thread_config()

@@ -103,7 +103,8 @@ def _disk_text(signature: Any, config: Any, extra: tuple = ()) -> str | None:
         return None
     devices = [(d.platform, d.device_kind) for d in jax.devices()]
     return repr((FORMAT, VERSION, _own_source(), jax.__version__, _jaxlib_version(), eqx.__version__,
-                 os.environ.get("XLA_FLAGS", ""), devices, signature, config.budget_bytes, [o.name for o in config.policies], blocks, config.calibrate, config.verify,
+                 os.environ.get("XLA_FLAGS", ""), devices, signature, config.budget_bytes,
+                 [o.name for o in config.policies], blocks, config.calibrate, config.verify,
                  config.scan_segments, config.nested, config.tune, extra))
 
 

@@ -182,7 +182,7 @@ def _measures(model: MemoryModel, config: Config, target: Target) -> tuple[Calla
         return _timings(target, config, runs)
 
     # `_search` compiles candidates in worker threads: they lower under this thread's JAX configuration
-    return carrying_config(measure), carrying_config(confirm) if target.losses(config) > 1 else None, time_of
+    return carrying_config(measure), confirm if target.losses(config) > 1 else None, time_of
 
 
 def _timings(target: Target, config: Config, candidates: list[Runs]) -> list[tuple[float, ...]]:

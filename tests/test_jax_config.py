@@ -1,7 +1,7 @@
 """JAX's configuration context managers (`with jax.enable_x64(True):`, `jax.default_matmul_precision`)
 hold in the thread that entered them only. smartremat lowers and compiles in worker threads, which run
-under the caller's settings (`_jax_private.carrying_config`), and its caches are keyed by them: the
-step that runs is the step the user would have lowered, under every setting."""
+under the caller's settings (`_jax_private.carrying_config`): the step that runs is the step the user
+would have lowered."""
 
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
@@ -78,10 +78,9 @@ def test_a_decorated_module_is_profiled_in_its_callers_dtype():
 def test_worker_threads_carry_the_callers_settings(monkeypatch, private):
     if not private:
         monkeypatch.setattr(_jax_private, "_STATES", None)
-        monkeypatch.setattr(_jax_private, "_trace_context", None)
 
     def read():
-        return jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision, _jax_private.config_key()
+        return jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision, jax.sharding.get_abstract_mesh()
 
     outside = read()
     settings = [jax.enable_x64(True), jax.default_matmul_precision("highest")]
