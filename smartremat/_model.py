@@ -239,13 +239,14 @@ def split_assignment(model: MemoryModel, choice: tuple[int, ...], labels: list[s
                  for label in labels)
 
 
-def after_stage(model: MemoryModel, k: int, measured: int, kept_before: int) -> MemoryModel:
+def after_stage(model: MemoryModel, k: int, measured: int, kept_before: int, option: int = 0) -> MemoryModel:
     """`model` with stage `k`'s own peak under each option raised to at least its kept bytes plus
     what runs beside them in its backward: `measured` (the compiled temp bytes of a program in
-    which the stages before `k` keep `kept_before` bytes and stage `k` runs without remat) less
-    the glue's residuals (`fixed_bytes`), `kept_before` and the stage's own kept bytes. The one
-    refinement of the model by a compiled program: the head after a stack's last block (`_head`),
-    and the rest of a training step after its last block (`_step_plan`)."""
+    which the stages before `k` keep `kept_before` bytes and stage `k` runs under `option`, by
+    default without remat) less the glue's residuals (`fixed_bytes`), `kept_before` and the
+    stage's own kept bytes. The one refinement of the model by a compiled program: the head after
+    a stack's last block (`_head`), and the rest of a training step after its last block
+    (`_step_plan`)."""
     st = model.stages[k]
-    after = measured - model.fixed_bytes - kept_before - st.saved[0]
+    after = measured - model.fixed_bytes - kept_before - st.saved[option]
     return dataclasses.replace(model, stages=model.stages[:k] + (raised(st, after),) + model.stages[k + 1:])

@@ -28,12 +28,17 @@ from ._memory import cost_of, peak_at, peak_of
 from ._model import Config, MemoryModel, assignment_of, choices_of, full_remat, stage_figures, uniform, unplanned
 from ._paths import path_str
 from ._plan import Plan, PlanBlock, PolicyFigures
+from ._refused import Refused, over_budget
 from ._search import MAX_CANDIDATES, CandidateFigures, Estimates, Outcome, search, spread
 from ._solve import Solution, frontier, min_peak, solve
 from ._share import shared, timing_together
 from ._tune import Timed, pool, timings, tuned
 
 logger = logging.getLogger("smartremat")
+
+#: The FLOPs recorded for a candidate the compiler refused: it wins no comparison, and the search
+#: leaves it out of its compiled/predicted ratios (`_search._ratios`).
+REFUSED_FLOPS = float("inf")
 
 Runs = tuple  #: what runs: one assignment per module call (`((path, option), ...)` each)
 
@@ -169,12 +174,18 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
 
 def _measures(model: MemoryModel, config: Config, target: Target) -> tuple[Callable, Callable | None, Callable]:
     """`(measure, confirm, time_of)` of candidate choices on the target's step: compiled under its
-    first loss, under all of them (`None` where it has one), timed (`_tune.timings`)."""
-    def measure(choice: tuple[int, ...]) -> tuple[int, float]:
-        return target.measure(target.runs(model, choice), config, every_loss=False)
+    first loss, under all of them (`None` where it has one), timed (`_tune.timings`). A candidate
+    the device's compiler refuses for memory is over budget: its figures are the bytes the refusal
+    names (above the budget whatever it names) and `REFUSED_FLOPS`."""
+    def measured(choice: tuple[int, ...], every_loss: bool) -> tuple[int, float]:
+        try:
+            return target.measure(target.runs(model, choice), config, every_loss)
+        except Refused as e:  # the device's compiler refused it for memory: it does not fit
+            logger.debug("smartremat: candidate %s refused by the compiler (%s)", choice, e.message)
+            return over_budget(e, config.budget_bytes), REFUSED_FLOPS
 
-    def confirm(choice: tuple[int, ...]) -> tuple[int, float]:
-        return target.measure(target.runs(model, choice), config, every_loss=True)
+    measure = lambda choice: measured(choice, False)  # noqa: E731
+    confirm = lambda choice: measured(choice, True)  # noqa: E731
 
     def time_of(choices: list) -> list[tuple[float, ...]]:
         runs = [target.runs(model, c) for c in choices]
@@ -207,7 +218,7 @@ def _fastest(out: Outcome, points: list, uniforms: list, config: Config, measure
     try:
         choice, timed = tuned(out, pool(points, uniforms, out.choice), config.budget_bytes, compiled, time_of,
                               progress)
-    except jax.errors.JaxRuntimeError as e:
+    except (jax.errors.JaxRuntimeError, Refused) as e:
         warnings.warn(TUNE_FAILED.format(error=str(e).splitlines()[0] if str(e) else type(e).__name__),
                       stacklevel=2)
         return out

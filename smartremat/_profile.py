@@ -24,6 +24,7 @@ from ._jax_private import carrying_config
 from ._memory import raised_peaks
 from ._cost import Cost, aval_bytes, floating_leaves, function_cost
 from ._options import NO_REMAT, Option, PolicyError
+from ._refused import Refused, compile_or_refuse
 from ._spec import CallSpec, scatter
 
 
@@ -148,15 +149,16 @@ def mesh_context(avals: Sequence[Any]) -> contextlib.AbstractContextManager:
 
 def compiled_temp(fn: Callable, avals: Sequence[Any], options: dict | None = None) -> tuple[int, float]:
     """Compiler's temp bytes and FLOPs of `fn(*avals)` (abstract: no device memory), compiled with
-    `options` (`measuring_options()` by default; those where the jaxlib does not know one of `options`)."""
+    `options` (`measuring_options()` by default; those where the jaxlib does not know one of `options`).
+    Raises `_refused.Refused` where the device refuses the program for memory."""
     with mesh_context(avals):
         lowered = jax.jit(fn).lower(*avals)
         try:
-            compiled = lowered.compile(measuring_options() if options is None else options)
+            compiled = compile_or_refuse(lambda: lowered.compile(measuring_options() if options is None else options))
         except Exception as e:
             if options is None or "No such compile option" not in str(e):
                 raise
-            compiled = lowered.compile(measuring_options())
+            compiled = compile_or_refuse(lambda: lowered.compile(measuring_options()))
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     memory = compiled.memory_analysis()
@@ -215,7 +217,10 @@ def _at_the_end(profile: BlockProfile, spec: CallSpec, call: Callable) -> BlockP
     if not any(o.peak_bytes for o in profile.options):  # left alone: nothing measured
         return profile
     steps = [grad_step(o.option.profiled(spec, call), spec.dynamic, _square_loss) for o in profile.options]
-    temps = compiled_temps([(step, spec.dynamic) for step in steps])
+    try:
+        temps = compiled_temps([(step, spec.dynamic) for step in steps])
+    except Refused:  # the block alone does not fit the device: its profiled peaks stand
+        return profile
     peaks = raised_peaks([o.saved_bytes for o in profile.options], [max(o.peak_bytes, o.saved_bytes) for o in profile.options],
                          [t - o.saved_bytes for o, t in zip(profile.options, temps)])
     options = tuple(dataclasses.replace(o, peak_bytes=pk) for o, pk in zip(profile.options, peaks))
@@ -232,7 +237,10 @@ def _profile_uncached(spec: CallSpec, call: Callable, menu: tuple, calibrate: bo
         why = ("every policy", f"it cannot be reverse-differentiated on its own ({_reason(e)})")
         return BlockProfile(forward, (PolicyProfile(NO_REMAT, 0, 0, 0, Cost(0, 0)),), (why,))
     raw, skipped = _measure(spec, call, menu, base)
-    peaks, calibrated = calibration(raw, spec, n_module_leaves(spec), calibrate)
+    try:
+        peaks, calibrated = calibration(raw, spec, n_module_leaves(spec), calibrate)
+    except Refused:  # the block's copies in a row do not fit the device: the jaxpr's counts stand
+        peaks, calibrated = None, None
     options = []
     for j, m in enumerate(raw):
         counted = m.internal + m.args

@@ -22,6 +22,7 @@ and under every loss only when about to be chosen or when one may set the floor 
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -190,7 +191,7 @@ def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimat
             return batch
         best = _best(compiled, budget, rank)
         if best is None:
-            built = [c for c in figures if figures[c] != UNBUILT]
+            built = [c for c in figures if math.isfinite(figures[c][1])]  # not unbuilt, not refused
             if not built:
                 return batch
             best = max(built, key=lambda c: rank(c, figures[c][1]))
@@ -277,7 +278,7 @@ def _bracket(points: Sequence[Choice], predicted: Sequence[float], compiled: Can
 def _ratios(points: Sequence[Choice], predicted: Sequence[float], figures: dict) -> dict[int, float]:
     """`{index: compiled over predicted bytes}` of each frontier point compiled so far."""
     return {i: figures[p][0] / max(q, 1) for i, (p, q) in enumerate(zip(points, predicted))
-            if p in figures and figures[p] != UNBUILT}
+            if p in figures and math.isfinite(figures[p][1])}  # not unbuilt, not refused for memory
 
 
 def _known_bracket(points: Sequence[Choice], figures: dict, budget: int) -> tuple[int, int]:

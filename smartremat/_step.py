@@ -26,6 +26,7 @@ from ._cache import KeyedCache
 from ._env import environment_key, measuring_options
 from ._decorator import config_of
 from ._profile import mesh_context
+from ._refused import Refused, compile_or_refuse, kept, raised
 from ._verify import assignment_key
 from ._spec import CallSpec, abstract, hashable, is_traced, make_spec, merge_leaves
 
@@ -320,7 +321,7 @@ def applying(classes: frozenset, assignments: tuple) -> Callable[[], _intercept.
     return make
 
 
-_FIGURES: KeyedCache[StepFigures] = KeyedCache()
+_FIGURES: KeyedCache[StepFigures | Refused] = KeyedCache()
 #: The last few steps lowered, and compiled as they run: the step that runs is a candidate the
 #: search (or `tune=True`) has already lowered, and on a backend whose measuring compiles are its
 #: usual ones (`measuring_options()` empty: not the CPU), compiled.
@@ -393,8 +394,10 @@ def compiled_key(sig: Signature, entry_of: tuple, donate: str) -> tuple:
 
 
 def step_figures(sig: Signature, entry_of: tuple, donate: str) -> StepFigures:
-    """Figures of the compiled step, cached by `compiled_key`."""
-    return _FIGURES.get(compiled_key(sig, entry_of, donate), lambda: figures_of(_measured(sig, entry_of, donate)))
+    """Figures of the compiled step, cached by `compiled_key` (a refusal for memory too: raised
+    as `_refused.Refused`, and not compiled again)."""
+    make = kept(lambda: figures_of(_measured(sig, entry_of, donate)))
+    return raised(_FIGURES.get(compiled_key(sig, entry_of, donate), make))
 
 
 def _measured(sig: Signature, entry_of: tuple, donate: str) -> Any:
@@ -407,6 +410,7 @@ def _measured(sig: Signature, entry_of: tuple, donate: str) -> Any:
 
 
 def compile_quietly(lowered: Any, options: dict[str, Any] | None = None) -> Any:
-    """`lowered.compile(options)` without the warning about unusable donated buffers."""
+    """`lowered.compile(options)` without the warning about unusable donated buffers; a refusal
+    for memory raised as `_refused.Refused`."""
     with quiet_donation():
-        return lowered.compile(options)
+        return compile_or_refuse(lambda: lowered.compile(options))

@@ -17,6 +17,8 @@ from ._env import MB
 from ._key import PlanKey, step_key
 from ._model import Config, MemoryModel, after_stage, as_notes, build_model, joined, split_assignment, unplanned
 from ._plan import Plan
+from ._refused import Refused, describe
+from ._solve import min_peak
 from ._planner import Runs, planned
 from ._spec import planning_step, shardings_hidden
 from ._step import (Signature, StepFigures, compiled_key, compiled_step, record, root_classes, step_figures,
@@ -56,16 +58,41 @@ class StepTarget:
 
     def refined(self, model: MemoryModel, config: Config) -> tuple[MemoryModel, Config]:
         """The automatic budget (`budget_mb="auto"`), and the rest of the step after its last block
-        (`tail`), from the compiled step without remat."""
-        base = self.plain(model)
+        (`tail`), from the compiled reference step (`reference`)."""
+        base, choice = self.reference(model)
         if self.options.auto:
             budget = auto_budget(self.sig, base, "smartremat.filter_jit", self.limit)
             config = dataclasses.replace(config, budget_bytes=budget, budget_mb=budget / MB)
-        return tail(model, base.temp), config
+        return tail(model, base.temp, choice), config
 
-    def plain(self, model: MemoryModel) -> StepFigures:
-        """The compiled figures of the step without remat."""
-        return step_figures(self.sig, (self.classes, self.runs(model, (0,) * len(model.stages))), self.options.donate)
+    def reference(self, model: MemoryModel) -> tuple[StepFigures, tuple[int, ...]]:
+        """`(figures, choice)` of a compiled step to refine the model on: the step without remat;
+        where the device refuses it for memory (XLA:TPU, docs/facts.md fact 21), the model's choice
+        of lowest peak with the last block without remat (what follows that block then runs beside
+        its kept bytes, as without remat); where that is refused too, the lowest choice itself.
+        Where every one is refused, no plan fits the device: the error says so, with the bytes the
+        compiler said the last one needs."""
+        lowest = min_peak(model.stages).choice
+        refused = None
+        for choice in dict.fromkeys([(0,) * len(lowest), (*lowest[:-1], 0), lowest]):
+            try:
+                return self.figures(model, choice), choice
+            except Refused as e:
+                refused = e
+        assert refused is not None
+        raise _refused_everywhere(self.fun, refused)
+
+    def figures(self, model: MemoryModel, choice: tuple[int, ...]) -> StepFigures:
+        """The compiled figures of the step under `choice` (`_refused.Refused` if the device
+        refuses it)."""
+        return step_figures(self.sig, (self.classes, self.runs(model, choice)), self.options.donate)
+
+    def plain(self, model: MemoryModel) -> int | None:
+        """The compiled temp bytes of the step without remat (`None` where the device refuses it)."""
+        try:
+            return self.figures(model, (0,) * len(model.stages)).temp
+        except Refused:
+            return None
 
     def runs(self, model: MemoryModel, choice: tuple[int, ...]) -> Runs:
         return split_assignment(model, choice, self.labels)
@@ -85,7 +112,8 @@ class StepTarget:
         return Timed(compiled_key(self.sig, entry_of, donate), build, self.sig.avals, self.sig.donated(donate))
 
     def too_low(self, config: Config, model: MemoryModel, floor: int, compiled: bool) -> Exception:
-        reasons = unplanned(model) + _no_saving(floor, self.plain(model).temp)
+        plain = self.plain(model)
+        reasons = unplanned(model) + (() if plain is None else _no_saving(floor, plain))
         return _too_low(self.fun, config, floor, "smartremat.filter_jit", self.options.auto, reasons)
 
     def notes(self, model: MemoryModel) -> tuple[str, ...]:
@@ -103,17 +131,19 @@ def plan_step(fun: Callable, sig: Signature, roots: list[tuple[str, Any]], confi
     return Entry(made.plan, made.runs, target.classes, sig)
 
 
-def tail(model: MemoryModel, temp: int) -> MemoryModel:
-    """`model` calibrated on the compiled step without remat (`temp` bytes): the rest of the step
-    (what follows the last block, the loss, the update) is a tail whose backward runs first,
-    while every block's kept bytes are alive, not a constant beside every block (docs/facts.md,
-    fact 16): the last stage's own peak is raised by it (`_model.after_stage`), so the step without
-    remat is predicted at its compiled bytes (or above, where the blocks' own peaks are higher:
-    the glue's residuals are then on top)."""
+def tail(model: MemoryModel, temp: int, choice: tuple[int, ...] | None = None) -> MemoryModel:
+    """`model` calibrated on the compiled step under `choice` (`temp` bytes; by default, and as a
+    rule, the step without remat): the rest of the step (what follows the last block, the loss,
+    the update) is a tail whose backward runs first, while every block's kept bytes are alive, not
+    a constant beside every block (docs/facts.md, fact 16): the last stage's own peak is raised by
+    it (`_model.after_stage`), so the reference step is predicted at its compiled bytes (or above,
+    where the blocks' own peaks are higher: the glue's residuals are then on top)."""
     stages = model.stages
     if not stages:  # every call a scan of length 0: the whole step is the rest
         return dataclasses.replace(model, fixed_bytes=max(temp, 0))
-    return after_stage(model, len(stages) - 1, temp, sum(st.saved[0] for st in stages[:-1]))
+    choice = (0,) * len(stages) if choice is None else choice
+    kept = sum(st.saved[c] for st, c in zip(stages[:-1], choice[:-1]))
+    return after_stage(model, len(stages) - 1, temp, kept, choice[-1])
 
 
 def _device_limit(sig: Signature) -> int | None:
@@ -158,6 +188,14 @@ HIDDEN_NOTE = (
     "the step's arguments are sharded over several devices, but inside `jit` JAX hides the shardings "
     "of the module's values (a mesh with Auto axes): smartremat's predicted figures count one device "
     "doing all the work, while the compiled figures, which chose this plan, are per device")
+
+
+def _refused_everywhere(fun: Callable, refused: Refused) -> ValueError:
+    needed = f" ({describe(refused)})" if refused.needed else ""
+    return ValueError(
+        f"`smartremat.filter_jit`: the step `{step_name(fun)}` does not fit the device under any remat "
+        f"plan: the compiler refused even its plan of lowest peak{needed}: {refused.message} Lower the batch "
+        "size, shard the batch or the parameters over more devices, or keep the optimizer state off the device.")
 
 
 def _no_saving(floor: int, plain: int) -> tuple[str, ...]:

@@ -22,10 +22,11 @@ from ._env import environment_key
 from ._cost import floating_leaves
 from ._options import Assignment, run
 from ._profile import compiled_temp, mesh_context, n_module_leaves, split_diff
+from ._refused import Refused, kept, raised
 from ._spec import CallSpec, placed_sharding
 from ._tune import Timed
 
-_CACHE: KeyedCache[tuple[int, float]] = KeyedCache()
+_CACHE: KeyedCache[tuple[int, float] | Refused] = KeyedCache()
 
 
 def _like(o: Any, shape: tuple, dtype: Any) -> jax.ShapeDtypeStruct:
@@ -124,10 +125,12 @@ def compiled_step(call: Callable, spec: CallSpec, assignment: Assignment,
 def compiled_one(call: Callable, spec: CallSpec, assignment: Assignment, loss: Any,
                  options: dict | None = None) -> tuple[int, float]:
     """`(temp bytes, flops)` of the training step under `assignment` and one loss, compiled with
-    XLA `options` (`_env.measuring_options()` by default: the figures of the step that runs)."""
+    XLA `options` (`_env.measuring_options()` by default: the figures of the step that runs).
+    A refusal for memory is raised as `_refused.Refused` (and kept: not compiled again)."""
     options_key = None if options is None else tuple(sorted(options.items()))
     key = (spec.key(), call, assignment_key(assignment), loss, options_key, *environment_key())
-    return _CACHE.get(key, lambda: compiled_temp(*loss_step(_planned(call, spec, assignment), spec, loss), options))
+    make = kept(lambda: compiled_temp(*loss_step(_planned(call, spec, assignment), spec, loss), options))
+    return raised(_CACHE.get(key, make))
 
 
 def _planned(call: Callable, spec: CallSpec, assignment: Assignment) -> Callable:

@@ -1,0 +1,177 @@
+"""A compiler that refuses programs larger than the device (XLA:TPU, docs/facts.md fact 21), simulated
+on the CPU (`tests/simulated_chip.py`): every path plans, fits the chip and gives the plain step's
+answer where the step without remat is refused; a refusal is recorded as over budget, never a crash.
+
+Each chip is sized from the step's own compiled figures (outside the chip): its arguments and
+outputs, plus a share of the temp bytes without remat, so that the step without remat is refused
+and full remat fits.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import smartremat
+from smartremat import MB
+from smartremat._refused import Refused, compile_or_refuse, needed_bytes, refusal
+
+from tests.helpers import FULL, tree_allclose
+from tests.models import ScannedTransformer, Transformer
+from tests.simulated_chip import simulated_chip, xla_size
+
+OPT = optax.sgd(1e-2, momentum=0.9)
+pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+
+
+def step(model, opt_state, x, y):
+    loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    updates, opt_state = OPT.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return loss, eqx.apply_updates(model, updates), opt_state
+
+
+def _args(make):
+    model = make()
+    x = jax.random.normal(jax.random.key(1), (4, 64, 64))
+    return model, OPT.init(eqx.filter(model, eqx.is_array)), x, jnp.tanh(x)
+
+
+def _fresh(args):
+    return jax.tree.map(lambda a: jnp.array(a, copy=True) if eqx.is_array(a) else a, args)
+
+
+def _memory(jitted, args):
+    lowered = jitted.lower(*args)
+    return getattr(lowered, "lowered", lowered).compile().memory_analysis()
+
+
+def _total(m) -> int:
+    """What a compiled step holds on the device: temp, arguments and outputs not aliased."""
+    return m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+
+
+MODELS = {"unrolled": lambda: Transformer(3, 64, 4, jax.random.key(0)),
+          "scanned": lambda: ScannedTransformer(3, 64, 4, jax.random.key(0))}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def pressured(request):
+    """`(name, args, plain answer, chip bytes, plain temp bytes)`: the chip holds the donated
+    step's arguments and outputs and 60% of its temp bytes without remat."""
+    args = _args(MODELS[request.param])
+    plain = eqx.filter_jit(step, donate="all")
+    m = _memory(plain, args)
+    expected = plain(*_fresh(args))
+    return request.param, args, expected, int(_total(m) - 0.4 * m.temp_size_in_bytes), m.temp_size_in_bytes
+
+
+@pytest.mark.parametrize("budget", ["auto", "half"])
+def test_filter_jit_plans_where_no_remat_is_refused(pressured, budget):
+    name, args, expected, hbm, plain_temp = pressured
+    with simulated_chip(hbm) as chip:
+        mb = "auto" if budget == "auto" else 0.5 * plain_temp / MB  # below what the chip leaves
+        planned = smartremat.filter_jit(step, budget_mb=mb, donate="all")
+        plan = planned.plan(*args)
+        assert any("HLO temporaries" in r for r in chip.refused)  # the step without remat was refused
+        m = _memory(planned, args)  # the step that runs compiles on the chip...
+        got = planned(*_fresh(args))
+    assert m.temp_size_in_bytes <= plan.budget_bytes and _total(m) <= hbm  # ...and fits it
+    if budget == "auto":  # the device less its reserve, the arguments and the outputs
+        assert plan.budget_bytes < 0.95 * hbm - m.argument_size_in_bytes + m.alias_size_in_bytes
+    assert tree_allclose(got[0], expected[0]) and tree_allclose(got[1:], expected[1:])
+    assert plan.compiled_peak_bytes is not None and plan.compiled_peak_bytes <= plan.budget_bytes
+
+
+def test_explain_and_tune_under_refusals(pressured):
+    name, args, expected, hbm, _ = pressured
+    if name == "scanned" and not FULL:
+        pytest.skip("the scanned model is tuned under `make test-full` (40 s); CI plans it above")
+    with simulated_chip(hbm) as chip:
+        tuned = smartremat.filter_jit(step, budget_mb="auto", donate="all", tune=True)
+        text = str(smartremat.explain(tuned, *args))
+        plan = tuned.plan(*args)
+        got = tuned(*_fresh(args))
+    assert chip.refused and "budget" in text
+    assert plan.timed, "tune=True timed no candidate"
+    assert tree_allclose(got[0], expected[0]) and tree_allclose(got[1:], expected[1:])
+
+
+def test_decorator_where_candidates_are_refused():
+    model, _, x, y = _args(MODELS["unrolled"])
+    loss = lambda m: jnp.mean((m(x) - y) ** 2)  # noqa: E731
+    expected = eqx.filter_jit(eqx.filter_grad(loss))(model)
+    m = _memory(eqx.filter_jit(eqx.filter_grad(loss)), (model,))
+    hbm = int(_total(m) - 0.4 * m.temp_size_in_bytes)
+    with simulated_chip(hbm) as chip:
+        wrapped = smartremat.smartremat(budget_mb=hbm / MB)(model)  # a budget the chip cannot hold
+        grads = eqx.filter_jit(eqx.filter_grad(loss))(wrapped)
+        plan = smartremat.explain(wrapped, x)
+    assert chip.refused  # some candidate was refused, and planning went on
+    assert plan.compiled_peak_bytes is not None and plan.compiled_peak_bytes < hbm
+    assert tree_allclose(grads.module, expected)
+
+
+def test_no_plan_fits_the_chip():
+    args = _args(MODELS["unrolled"])
+    m = _memory(eqx.filter_jit(step, donate="all"), args)
+    hbm = int(_total(m) - m.temp_size_in_bytes)  # arguments and outputs only: nothing fits
+    with simulated_chip(hbm), pytest.raises(ValueError, match=r"does not fit the device under any remat plan"):
+        smartremat.filter_jit(step, budget_mb="auto", donate="all").plan(*args)
+
+
+def test_infeasible_budget_on_the_chip_states_the_floor():
+    args = _args(MODELS["unrolled"])
+    m = _memory(eqx.filter_jit(step, donate="all"), args)
+    hbm = int(_total(m) - 0.4 * m.temp_size_in_bytes)
+    with simulated_chip(hbm), pytest.raises(ValueError, match=r"Raise `budget_mb` to at least ([0-9.]+)") as e:
+        smartremat.filter_jit(step, budget_mb=0.01, donate="all").plan(*args)
+    floor = float(e.value.args[0].split("at least ")[1].split(",")[0])
+    with simulated_chip(hbm):  # the floor it states is reachable on the chip
+        plan = smartremat.filter_jit(step, budget_mb=floor, donate="all").plan(*args)
+    assert plan.compiled_peak_bytes is not None and plan.compiled_peak_bytes <= floor * MB
+
+
+def test_a_refused_step_is_compiled_once():
+    """The refusal is kept: the step without remat is not compiled again by the error path."""
+    args = _args(MODELS["unrolled"])
+    m = _memory(eqx.filter_jit(step, donate="all"), args)
+    with simulated_chip(int(_total(m) - 0.4 * m.temp_size_in_bytes)) as chip, pytest.raises(ValueError):
+        smartremat.filter_jit(step, budget_mb=0.01, donate="all").plan(*args)
+    temporaries = [r for r in chip.refused if "HLO temporaries" in r]
+    assert len(temporaries) == len(set(temporaries))
+
+
+@pytest.mark.parametrize("message, needed", [
+    ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (19.40G) "
+     "exceeds available HBM (15.75G).", int(19.40 * 2**30)),
+    ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used "
+     "20.51G of 15.48G hbm. Exceeded hbm capacity by 5.03G.", int(20.51 * 2**30)),
+    ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 512.00MiB.", 512 * 2**20),
+    ("RESOURCE_EXHAUSTED: out of memory on device 0", None),
+])
+def test_refusal_messages(message, needed):
+    refused = refusal(jax.errors.JaxRuntimeError(message))
+    assert isinstance(refused, Refused) and refused.needed == needed
+    assert needed_bytes(message) == needed
+    with pytest.raises(Refused, match="RESOURCE_EXHAUSTED"):
+        compile_or_refuse(lambda: (_ for _ in ()).throw(jax.errors.JaxRuntimeError(message)))
+
+
+def test_other_errors_are_not_refusals():
+    assert refusal(jax.errors.JaxRuntimeError("INVALID_ARGUMENT: shapes differ")) is None
+    assert refusal(ValueError("RESOURCE_EXHAUSTED")) is None  # not the compiler's error
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INVALID_ARGUMENT"):
+        compile_or_refuse(lambda: (_ for _ in ()).throw(jax.errors.JaxRuntimeError("INVALID_ARGUMENT: x")))
+
+
+def test_the_simulated_chip_words_sizes_as_xla():
+    assert (xla_size(19.4 * 2**30), xla_size(512 * 2**20), xla_size(3 * 2**10), xla_size(12)) == \
+        ("19.40G", "512.00M", "3.00K", "12B")
+    f = jax.jit(lambda a: jnp.sin(a) @ a.T)
+    a = jnp.ones((256, 256))
+    need = _memory(f, (a,)).temp_size_in_bytes
+    with simulated_chip(need // 2) as chip, pytest.raises(jax.errors.JaxRuntimeError, match="HLO temporaries"):
+        f.lower(a).compile()
+    assert len(chip.refused) == 1
+    assert f.lower(a).compile() is not None  # the chip is gone
