@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -175,3 +177,71 @@ class ResNet(eqx.Module):
         for block in self.blocks:
             x = block(x)
         return jax.vmap(self.head)(jnp.mean(x, axis=(2, 3)))
+
+
+class SequenceBlock(eqx.Module):
+    """A pre-norm decoder block on one sequence, written with Equinox's own layers:
+    `eqx.nn.LayerNorm`, `eqx.nn.MultiheadAttention` under a causal mask, a 4x GELU MLP of
+    `eqx.nn.Linear` (each applied per position with `jax.vmap`)."""
+
+    ln1: eqx.nn.LayerNorm
+    attn: eqx.nn.MultiheadAttention
+    ln2: eqx.nn.LayerNorm
+    fc: eqx.nn.Linear
+    proj: eqx.nn.Linear
+
+    def __init__(self, d: int, heads: int, key: PRNGKeyArray, dtype: Any = None):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.ln1, self.ln2 = eqx.nn.LayerNorm(d, dtype=dtype), eqx.nn.LayerNorm(d, dtype=dtype)
+        self.attn = eqx.nn.MultiheadAttention(heads, d, dtype=dtype, key=k1)
+        self.fc = eqx.nn.Linear(d, 4 * d, dtype=dtype, key=k2)
+        self.proj = eqx.nn.Linear(4 * d, d, dtype=dtype, key=k3)
+
+    def __call__(self, x: Float[Array, "t d"]) -> Float[Array, "t d"]:
+        h = jax.vmap(self.ln1)(x)
+        causal = jnp.tril(jnp.ones((x.shape[0], x.shape[0]), bool))
+        x = x + self.attn(h, h, h, mask=causal)
+        h = jax.nn.gelu(jax.vmap(self.fc)(jax.vmap(self.ln2)(x)))
+        return x + jax.vmap(self.proj)(h)
+
+
+class SequenceGPT(eqx.Module):
+    """A GPT on one sequence of tokens (batched by `jax.vmap` in the loss, as Equinox models are):
+    token and position embeddings, `SequenceBlock`s, final norm, head. `scanned`: the blocks
+    stacked with `eqx.filter_vmap` and run by `jax.lax.scan`, as large JAX models are written."""
+
+    embed: eqx.nn.Embedding
+    pos: Array
+    blocks: Any  # a list of blocks, or one block of stacked parameters (scanned)
+    ln_f: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+    scanned: bool = eqx.field(static=True)
+
+    def __init__(self, layers: int, d: int, heads: int, seq: int, vocab: int, key: PRNGKeyArray,
+                 scanned: bool = False, dtype: Any = None):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        self.embed = eqx.nn.Embedding(vocab, d, dtype=dtype, key=k1)
+        self.pos = (jax.random.normal(k2, (seq, d)) * 0.02).astype(dtype or jnp.float32)
+        keys = jax.random.split(k3, layers)
+        make = lambda k: SequenceBlock(d, heads, k, dtype)  # noqa: E731
+        self.blocks = eqx.filter_vmap(make)(keys) if scanned else [make(k) for k in keys]
+        self.ln_f = eqx.nn.LayerNorm(d, dtype=dtype)
+        self.head = eqx.nn.Linear(d, vocab, use_bias=False, dtype=dtype, key=k4)
+        self.scanned = scanned
+
+    def __call__(self, tokens: Int[Array, " t"]) -> Float[Array, "t v"]:
+        x = jax.vmap(self.embed)(tokens) + self.pos[: tokens.shape[0]]
+        if self.scanned:
+            params, static = eqx.partition(self.blocks, eqx.is_array)
+            x, _ = jax.lax.scan(lambda x, p: (eqx.combine(p, static)(x), None), x, params)
+        else:
+            for block in self.blocks:
+                x = block(x)
+        return jax.vmap(self.head)(jax.vmap(self.ln_f)(x))
+
+
+def sequence_gpt_loss(model: SequenceGPT, tokens: Int[Array, "b t"]) -> Float[Array, ""]:
+    """Next-token cross-entropy (in float32) of the per-sequence GPT over a batch."""
+    logits = jax.vmap(model)(tokens[:, :-1]).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))

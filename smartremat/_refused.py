@@ -93,6 +93,7 @@ def over_budget(refused: Refused, budget: int) -> int:
 
 def describe(refused: Any) -> str:
     """One line for notes and errors: the compiler's figure, or its message where it names none."""
-    if getattr(refused, "needed", None):
-        return f"{refused.needed / 2**20:.0f} MB needed"
+    needed = getattr(refused, "needed", None)
+    if needed:
+        return f"{needed / 2**20:.3f} MB needed" if needed < 2**30 else f"{needed / 2**20:.0f} MB needed"
     return str(getattr(refused, "message", refused))

@@ -6,6 +6,7 @@ refines the model (`tail`), and a failure to fit is worded in terms of the step.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,8 @@ from ._spec import planning_step, shardings_hidden
 from ._step import (Signature, StepFigures, compiled_key, compiled_step, record, root_classes, step_figures,
                     step_name)
 from ._tune import Timed
+
+logger = logging.getLogger("smartremat")
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,13 @@ class StepTarget:
     def refined(self, model: MemoryModel, config: Config) -> tuple[MemoryModel, Config]:
         """The automatic budget (`budget_mb="auto"`), and the rest of the step after its last block
         (`tail`), from the compiled reference step (`reference`)."""
-        base, choice = self.reference(model)
+        try:
+            base, choice = self.reference(model)
+        except Refused as e:  # a number as budget: the search, not the model, finds what fits
+            if self.options.auto:
+                raise _refused_everywhere(self.fun, e) from None
+            logger.debug("smartremat: no reference step compiled (%s); the tail is not measured", e.message)
+            return model, config
         if self.options.auto:
             budget = auto_budget(self.sig, base, "smartremat.filter_jit", self.limit)
             config = dataclasses.replace(config, budget_bytes=budget, budget_mb=budget / MB)
@@ -70,8 +79,10 @@ class StepTarget:
         where the device refuses it for memory (XLA:TPU, docs/facts.md fact 21), the model's choice
         of lowest peak with the last block without remat (what follows that block then runs beside
         its kept bytes, as without remat); where that is refused too, the lowest choice itself.
-        Where every one is refused, no plan fits the device: the error says so, with the bytes the
-        compiler said the last one needs."""
+        Where every one is refused, the last refusal is raised (`_refused.Refused`): the model's
+        lowest choice is not always the compiler's (a user's own checkpoints, a `cond`), so with a
+        number as budget the search goes on unrefined; `budget_mb="auto"` needs a compiled step
+        for its figures, and says that none fits."""
         lowest = min_peak(model.stages).choice
         refused = None
         for choice in dict.fromkeys([(0,) * len(lowest), (*lowest[:-1], 0), lowest]):
@@ -80,7 +91,7 @@ class StepTarget:
             except Refused as e:
                 refused = e
         assert refused is not None
-        raise _refused_everywhere(self.fun, refused)
+        raise refused
 
     def figures(self, model: MemoryModel, choice: tuple[int, ...]) -> StepFigures:
         """The compiled figures of the step under `choice` (`_refused.Refused` if the device
@@ -193,8 +204,9 @@ HIDDEN_NOTE = (
 def _refused_everywhere(fun: Callable, refused: Refused) -> ValueError:
     needed = f" ({describe(refused)})" if refused.needed else ""
     return ValueError(
-        f"`smartremat.filter_jit`: the step `{step_name(fun)}` does not fit the device under any remat "
-        f"plan: the compiler refused even its plan of lowest peak{needed}: {refused.message} Lower the batch "
+        f"`smartremat.filter_jit(budget_mb=\"auto\")`: the step `{step_name(fun)}` does not fit the device under "
+        f"any remat plan smartremat tried: the compiler refused even its plan of lowest peak{needed}: "
+        f"{refused.message} Give `budget_mb` as a number to search every plan, lower the batch "
         "size, shard the batch or the parameters over more devices, or keep the optimizer state off the device.")
 
 

@@ -126,34 +126,31 @@ def test_benchmark_times_short_steps_in_more_rounds(step, repeat, want):
     assert run.repeat_for([Fake(), Fake()], repeat) == want
 
 
-def test_the_gpu_check_runs_tiny_on_the_cpu(tmp_path):
-    """`benchmarks/gpu_check.py` (a GPT-2-small step on a GPU) on a tiny GPT here, so it cannot rot:
-    every field, smartremat's step fits and equals no remat's loss, gradients and update (one budget,
-    the default objective: `tune=True` rows are made by the same code, and its planning is long)."""
-    from benchmarks import gpu_check
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+def test_the_accelerator_check_runs_tiny_on_a_simulated_chip(tmp_path, standard_promotion):
+    """`benchmarks/accelerator_check.py` (a step that does not fit the chip without remat) on a tiny
+    GPT here, on a simulated chip of 1 MB (tests/simulated_chip.py), so it cannot rot: the step
+    without remat is a refused row, smartremat's "auto" plan fits the chip, runs and equals full
+    remat's loss, gradients and parameters; every field is written."""
+    from benchmarks import accelerator_check
+    from tests.simulated_chip import simulated_chip
 
-    result = gpu_check.main(["--size", "tiny", "--repeat", "2", "--out", str(tmp_path), "--strategies", "none,full",
-                             "--shares", "0.5", "--objectives", "default", "--batch", "1", "--precision", "highest"])
-    written = json.loads(next(tmp_path.glob("gpu_check_*.json")).read_text())
-    assert written == json.loads(json.dumps(result)) and next(tmp_path.glob("gpu_check_*.md")).read_text()
-    assert {"device", "platform", "jax", "smartremat_version", "command", "plain_compile_s"} <= set(written)
-    assert written["model"].endswith("batch 1, vocab 64") and written["matmul_precision"] == "highest"
-    assert written["command"].startswith("benchmarks/gpu_check.py --size tiny") and "_batch1_highest.json" in str(
-        next(tmp_path.glob("gpu_check_*.json")))
-    assert set(written["fixed"]) == {"none", "full"}
-    assert all(f["rel_diff_vs_no_remat"] < 1e-5 and f["step_s"] > 0 for f in written["fixed"].values())
-    rows = written["smartremat"]
-    assert [r["tune"] for r in rows] == [False]
-    with pytest.raises(SystemExit, match="--batch 3: the tiny case has 2 sequences; choose 1 to 2"):
-        gpu_check.main(["--size", "tiny", "--batch", "3", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="--strategies none: name none, full and any of"):
-        gpu_check.main(["--size", "tiny", "--strategies", "none", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="--objectives both: name default, tune or both, comma-separated"):
-        gpu_check.main(["--size", "tiny", "--objectives", "both", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="--shares 0.5,2: numbers from 0"):
-        gpu_check.main(["--size", "tiny", "--shares", "0.5,2", "--out", str(tmp_path)])
-    none, full = written["fixed"]["none"]["temp_mb"], written["fixed"]["full"]["temp_mb"]
-    for r in rows:
-        assert r["budget_mb"] == pytest.approx((none + full) / 2)
-        assert r["fits"] and r["temp_mb"] <= r["budget_mb"] and r["rel_diff_vs_no_remat"] < 1e-5
-        assert r["first_call_s"] > 0 and r["vs_fastest_fitting_fixed"] is not None and r["policies"]
+    with simulated_chip(2**20):
+        result = accelerator_check.main(["--size", "tiny", "--batch", "2", "--budgets", "auto", "--strategies",
+                                         "full,none", "--steps", "1", "--out", str(tmp_path), "--precision", "highest"])
+    path = next(tmp_path.glob("accelerator_check_*.json"))
+    written = json.loads(path.read_text())
+    assert written == json.loads(json.dumps(result)) and path.with_suffix(".md").read_text()
+    assert path.name.endswith("_unrolled_float32_batch2_highest.json") and written["matmul_precision"] == "highest"
+    assert {"device", "jax", "equinox", "bytes_limit", "flops_per_step", "commands", "runs"} <= set(written)
+    assert written["bytes_limit"] == 2**20 and written["commands"][0].startswith("benchmarks/accelerator_check.py")
+    runs = written["runs"]
+    assert set(runs) == {"smartremat auto", "full", "none"} and "RESOURCE_EXHAUSTED" in runs["none"]["refused"]
+    smart = runs["smartremat auto"]
+    assert smart["temp_mb"] <= smart["budget_mb"] and smart["policies"] and smart["explain"]
+    assert max(smart["loss_diff"], smart["grad_diff"], smart["param_diff"]) < 1e-5
+    assert smart["step_s"] > 0 and smart["vs_fastest_fixed"] is not None and written["fastest_fitting_fixed"] == "full"
+    with pytest.raises(SystemExit, match="--strategies none: the reference of the differences, full, is needed"):
+        accelerator_check.main(["--size", "tiny", "--strategies", "none", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--budgets 1e3: auto or numbers of MB"):
+        accelerator_check.main(["--size", "tiny", "--budgets", "1e3", "--out", str(tmp_path)])

@@ -2,12 +2,14 @@
 steps (`tests/fuzz/grammar.py`), each held against smartremat's invariants (`tests/fuzz/check.py`).
 
 `make fuzz` runs many more (`tests/fuzz/run.py`); this file runs `CI_CASES` cases drawn from
-`CI_SEED`, chosen so that together they draw every value of every field of the grammar, and holds
-rule 6 (a float32 difference judged by the same plan in float64) to a case it once failed and to
-differences it must report.
+`CI_SEED`, chosen so that together they draw every value of every field of the grammar (but the
+`LATE` ones, left at their first value: the subset is the one chosen before they were added), and
+`CHIP_CASES`, which draw the simulated chip's values, and holds rule 6 (a float32 difference judged
+by the same plan in float64) to a case it once failed and to differences it must report.
 """
 
 import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -16,15 +18,35 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from tests.fuzz.check import Failed, _check_decorator, _compare, _reference, check_case, float64, promotion
-from tests.fuzz.grammar import CHOICES, Case, build, case_at, cases, covering, normalise, working
+from tests.fuzz.check import (Failed, _check_chip, _check_decorator, _compare, _reference, check_case, float64,
+                               promotion)
+from tests.fuzz.grammar import CHOICES, LATE, Case, build, case_at, cases, covering, normalise, working
 
 CI_SEED = 28
 CI_CASES = 8  # the fewest that draw every value of every field (CI time: 24 cases took 8 minutes of the suite)
 CI_INDEXES = covering(CI_SEED, CI_CASES)
 
+#: The simulated chip (`Case.chip`): a step of three blocks whose chip refuses it without remat
+#: (about 6 s each). Under "tight" the budget is the plain temp, above what the chip leaves; the
+#: "auto" one donates its arguments (aliased bytes) to an optax step.
+CHIP_CASES = {
+    "tight": Case(layout="loop", width=32, batch=8, depth=3, budget=1.0, chip="tight"),
+    "auto": Case(layout="loop", width=32, batch=8, depth=3, step="sgd", donate=True, chip="auto"),
+    # seed 777, case 51, shrunk: the model's lowest-peak plans (the reference steps) were all
+    # refused while `dots_saveable` fits the chip; planning gave up ("does not fit the device")
+    "refused references": Case(block="checkpointed", vmap="inner", control="cond", wrapper=True, width=16,
+                               batch=8, depth=2, budget=0.0, chip="tight"),
+}
+
+
+def ci_case(index: int) -> Case:
+    """The `index`-th case of `CI_SEED`, its `LATE` fields at their first value."""
+    return normalise(dataclasses.replace(case_at(CI_SEED, index), **{k: CHOICES[k][0] for k in LATE}))
+
+
 def test_ci_subset_draws_every_idiom():
-    drawn = {(k, getattr(case_at(CI_SEED, i), k)) for i in CI_INDEXES for k in CHOICES}
+    drawn = {(k, getattr(ci_case(i), k)) for i in CI_INDEXES for k in CHOICES}
+    drawn |= {(k, getattr(case, k)) for case in CHIP_CASES.values() for k in CHOICES}
     assert {(k, v) for k, values in CHOICES.items() for v in values} - drawn == set()
 
 
@@ -45,9 +67,30 @@ def test_a_case_is_plain_data_and_builds_the_same_values_each_time(case):
 
 @pytest.mark.parametrize("index", CI_INDEXES)
 def test_generated_model_keeps_the_invariants(index):
-    case = case_at(CI_SEED, index)
+    case = ci_case(index)
     outcome = check_case(case)
     assert outcome.ok, f"{case}\n{outcome.report()}"
+
+
+@pytest.mark.parametrize("chip", sorted(CHIP_CASES))
+def test_on_a_simulated_chip_the_planned_step_fits_it(chip):
+    """Planned, compiled, run and explained on a chip that refuses the step without remat."""
+    case = CHIP_CASES[chip]
+    assert normalise(case) == case
+    outcome = check_case(case)
+    assert outcome.ok, f"{case}\n{outcome.report()}"
+    assert outcome.figures["chip_refused"] > 0  # the step without remat, at least, was refused
+    assert outcome.figures["planned_mb"] <= min(outcome.figures["budget_mb"], outcome.figures["plain_mb"])
+
+
+def test_the_chip_invariant_reports_a_step_larger_than_the_chip():
+    memory = SimpleNamespace(temp_size_in_bytes=600, argument_size_in_bytes=300, output_size_in_bytes=200,
+                             alias_size_in_bytes=100)
+    _check_chip(memory, 1000)  # 600 + 300 + 200 - 100: fits
+    _check_chip(memory, None)  # no chip
+    with pytest.raises(Failed, match=r"1000 bytes > chip 999 bytes") as e:
+        _check_chip(memory, 999)
+    assert e.value.kind == "over budget"
 
 
 #: Seed 2026, case 212, shrunk: a float32 difference of 3.9e-6 of a leaf's scale on one entry of

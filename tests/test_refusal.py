@@ -118,6 +118,9 @@ def test_no_plan_fits_the_chip():
     hbm = int(_total(m) - m.temp_size_in_bytes)  # arguments and outputs only: nothing fits
     with simulated_chip(hbm), pytest.raises(ValueError, match=r"does not fit the device under any remat plan"):
         smartremat.filter_jit(step, budget_mb="auto", donate="all").plan(*args)
+    # with a number, every candidate is tried; the error states the lowest figure the compiler gave
+    with simulated_chip(hbm), pytest.raises(ValueError, match=r"Raise `budget_mb` to at least"):
+        smartremat.filter_jit(step, budget_mb=1.0, donate="all").plan(*args)
 
 
 def test_infeasible_budget_on_the_chip_states_the_floor():

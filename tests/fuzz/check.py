@@ -22,15 +22,29 @@ the two (`case.budget`), and then:
 - (d) `unreachable`: `smartremat.explain`'s "compiled" figure is not below the step's (a figure
   it printed as "lowest reachable" would be held to the compiled floor), and a budget at or above
   the stated floor is planned (with `case.budget == 0` the budget is the stated "at least" figure
-  itself, so the statement is held to its word).
+  itself, so the statement is held to its word), and on a chip some plan fits it;
+- (e) `over budget`, on a chip: the planned step compiles there (its temp bytes, arguments and
+  outputs not aliased fit the chip): the chip refusing it is this failure too.
 
 The budget lies between the floor (its exact figure, given to 3 decimals, plus the half unit
 of rounding) and the plain temp. Exceptions end a case; the other failures are all collected.
+
+With `case.chip` other than "none" the case runs on a simulated accelerator
+(`tests/simulated_chip.py`), which refuses a compile larger than itself as XLA:TPU does
+(`RESOURCE_EXHAUSTED`). The reference and the floor are computed off it and size it
+(`chip.chip_bytes`: the floor plan fits, the step without remat does not). Planning, the planned
+step's compile and run, and `explain` happen on it: "tight" plans at the drawn budget, "auto" at
+`budget_mb="auto"`, whose fit (c) is to the plan's own `budget_bytes`. Rule 6's float64 runs
+happen off it (float64 doubles the bytes), under the plan made on it (taken there: leaving the
+chip clears smartremat's caches).
 
 With `case.path == "decorator"` the model is wrapped by `smartremat.smartremat(budget_mb=...)`
 and run in the plain `eqx.filter_jit` step: (a) and (b) are checked. The wrapper plans per input
 signature, so float64 inputs would be planned anew: rule 6 records the plan of each of its calls
 in float32 (`smartremat.explain` on the call's own arguments) and runs the float64 step with those.
+It takes a number of MB only: no "auto" chip (`grammar.normalise` makes it "tight"). On a chip its
+candidates meet the chip's refusals; (e) is not checked: its budget counts the module only, and a
+plain `eqx.filter_jit` call compiles without `jax.stages.Lowered.compile`, which the chip holds.
 """
 
 from __future__ import annotations
@@ -42,7 +56,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -51,6 +65,7 @@ import numpy as np
 
 import smartremat
 from smartremat import MB
+from tests.fuzz.chip import chip_bytes, on_chip, total
 from tests.fuzz.grammar import DTYPES, LR, Built, Case, build
 from tests.helpers import MISMATCH_RTOL, tree_mismatches
 
@@ -145,24 +160,47 @@ def _set_promotion(value: str) -> str:
 
 
 def _check(case: Case, outcome: Outcome) -> None:
-    built, plain, plain_temp, expected = _reference(case)
+    built, _, plain, expected = _reference(case)
     donate = "all" if case.donate else "none"
     floor_mb, floor_up = _floor(built, donate)
-    budget = budget_of(case.budget, floor_mb, floor_up, plain_temp / MB)
-    outcome.figures.update(plain_mb=plain_temp / MB, floor_mb=floor_mb, budget_mb=budget)
+    budget = budget_of(case.budget, floor_mb, floor_up, plain.temp_size_in_bytes / MB)
+    hbm = chip_bytes(case.chip, plain, floor_mb)
+    auto = case.chip == "auto"
+    outcome.figures.update(plain_mb=plain.temp_size_in_bytes / MB, floor_mb=floor_mb, budget_mb=None if auto
+                           else budget, chip_mb=hbm and hbm / MB)
     if case.path == "decorator":
-        _soft(outcome, lambda: _check_decorator(case, built, budget, expected, outcome.figures))
+        _soft(outcome, lambda: _check_decorator(case, built, budget, expected, outcome.figures, hbm))
         return
-    planned = _guard(lambda: smartremat.filter_jit(built.step, budget_mb=budget, donate=donate))
-    temp = _planned_temp(planned, built, budget)
-    outcome.figures["planned_mb"] = temp / MB
-    _soft(outcome, lambda: _check_fit(temp, budget, " (at the stated floor)" if case.budget == 0 else ""))
-    actual = _guard(lambda: planned(*fresh(built.args)))
-    _soft(outcome, lambda: _compare(case, actual, expected, lambda: float64_answers(
-        built, lambda args: same_plan(built.step, args, planned=planned, planned_args=built.args)),
-        outcome.figures))
-    plan = _guard(lambda: smartremat.explain(planned, *built.args))
+    with on_chip(hbm) as chip:  # planning, the planned step's compile and run, and explain meet the chip
+        planned, memory, plan = _planned(built, "auto" if auto else budget, donate)
+        budget = plan.budget_bytes / MB if auto else budget  # "auto": the plan's own budget
+        temp = memory.temp_size_in_bytes
+        outcome.figures.update(budget_mb=budget, planned_mb=temp / MB)
+        what = " (at the stated floor)" if case.budget == 0 and not auto else ""
+        _soft(outcome, lambda: _check_fit(temp, budget, what))
+        _soft(outcome, lambda: _check_chip(memory, hbm))
+        actual = _guard(lambda: planned(*fresh(built.args)))
+        entry = _guard(lambda: planned_entry(planned, built.args))  # the chip's plan: its caches go with it
+    if chip is not None:
+        outcome.figures["chip_refused"] = len(chip.refused)
+    _soft(outcome, lambda: _compare(case, actual, expected, lambda: float64_answers(  # float64: off the chip
+        built, lambda args: same_plan(built.step, args, *entry)), outcome.figures))
     _soft(outcome, lambda: _check_figures(plan, temp, floor_mb))
+
+
+def _planned(built: Built, budget: float | Literal["auto"],
+             donate: Literal["none", "all"]) -> tuple[Any, Any, smartremat.Plan]:
+    """The planned step, its compiled `memory_analysis()` and its plan (`smartremat.explain`)."""
+    planned = _guard(lambda: smartremat.filter_jit(built.step, budget_mb=budget, donate=donate))
+    memory = _guard(lambda: planned.lower(*built.args).compile().memory_analysis())
+    return planned, memory, _guard(lambda: smartremat.explain(planned, *built.args))
+
+
+def _check_chip(memory: Any, hbm: int | None) -> None:
+    """(e): the planned step fits the chip (temp, arguments and outputs not aliased)."""
+    if hbm is not None and total(memory) > hbm:
+        raise Failed("over budget", "the planned step does not fit the chip", f"temp + arguments + outputs "
+                     f"- aliased: {total(memory)} bytes > chip {hbm} bytes (temp {memory.temp_size_in_bytes})")
 
 
 def budget_of(frac: float, floor_mb: float, floor_up: float, plain_mb: float) -> float:
@@ -182,18 +220,18 @@ def _soft(outcome: Outcome, check: Any) -> None:
         outcome.fail(f)
 
 
-def _reference(case: Case) -> tuple[Built, Any, int, Any]:
-    """The built case, the plain step, its compiled temp bytes and its outputs; a failure here is
-    the fuzzer's own (`grammar`)."""
+def _reference(case: Case) -> tuple[Built, Any, Any, Any]:
+    """The built case, the plain step, its compiled `memory_analysis()` and its outputs; a failure
+    here is the fuzzer's own (`grammar`)."""
     try:
         built = build(case)
         plain: Any = eqx.filter_jit(built.step, donate="all" if case.donate else "none")
         compiled = plain.lower(*built.args).compile()  # run as compiled: the same program, one compile
-        temp = compiled.compiled.memory_analysis().temp_size_in_bytes
+        memory = compiled.compiled.memory_analysis()
         expected = compiled(*fresh(built.args))
     except Exception as e:  # the plain step must run: otherwise the grammar built something invalid
         raise Failed("grammar", _key(e), _trace(e)) from e
-    return built, plain, temp, expected
+    return built, plain, memory, expected
 
 
 def fresh(args: tuple) -> tuple:
@@ -219,24 +257,25 @@ def _floor(built: Built, donate: str) -> tuple[float, float]:
 
 
 def _guard(fun: Any) -> Any:
-    """`fun()`; an exception is a failure (a), a documented `ValueError` included: every budget
-    the fuzzer asks for is at least the stated floor."""
+    """`fun()`; an exception is a failure: see `_failure`."""
     try:
         return fun()
     except Exception as e:
-        raise Failed("exception", _key(e), _trace(e)) from e
+        raise _failure(e) from e
 
 
-def _planned_temp(planned: Any, built: Built, budget: float) -> int:
-    try:
-        return planned.lower(*built.args).compile().memory_analysis().temp_size_in_bytes
-    except ValueError as e:
-        if "at least" in str(e):
-            raise Failed("unreachable", "a budget at or above the stated floor was refused",
-                         f"budget {budget:.4f} MB\n{_trace(e)}") from e
-        raise Failed("exception", _key(e), _trace(e)) from e
-    except Exception as e:
-        raise Failed("exception", _key(e), _trace(e)) from e
+def _failure(e: Exception) -> Failed:
+    """The failure an exception of the planned step is: (a), a documented `ValueError` included,
+    but for (d)'s: a refusal stating a floor (every budget the fuzzer asks for is at least the
+    stated floor) or no plan fitting the chip (it holds the floor plan); the chip refusing the
+    planned step is (e)'s."""
+    if isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e):
+        return Failed("over budget", "the chip refused the planned step", _trace(e))
+    if isinstance(e, ValueError) and "at least" in str(e):
+        return Failed("unreachable", "a budget at or above the stated floor was refused", _trace(e))
+    if isinstance(e, ValueError) and "does not fit the device under any remat plan" in str(e):
+        return Failed("unreachable", "the chip holds the floor plan, but no plan fits it", _trace(e))
+    return Failed("exception", _key(e), _trace(e))
 
 
 def _check_fit(temp: int, budget: float, what: str) -> None:
@@ -348,28 +387,31 @@ def float64_answers(built: Built, planned: Callable[[tuple], Any]) -> tuple[Any,
     return planned64, plain64
 
 
-def same_plan(step: Callable, args: tuple, *, planned: Any = None, planned_args: tuple = (),
-              classes: frozenset = frozenset(), assignments: tuple = ()) -> Any:
+def same_plan(step: Callable, args: tuple, classes: frozenset, assignments: tuple) -> Any:
     """`step(*args)` run under a plan made for other arguments (float32 ones), not planned again:
-    that of `planned` (a `smartremat.filter_jit` step) for `planned_args`, or else the k-th call of
-    a module of `classes` under `assignments[k]` (the decorator's plans, recorded: a `SmartRemat`
-    runs the module it wraps under it, as in a planned step). Compiled as `smartremat.filter_jit`
-    compiles a planned step, without donation (it changes no value).
+    the k-th call of a module of `classes` under `assignments[k]` (a `smartremat.filter_jit` step's
+    entry, `planned_entry`, or the decorator's plans, recorded: a `SmartRemat` runs the module it
+    wraps under it, as in a planned step). Compiled as `smartremat.filter_jit` compiles a planned
+    step, without donation (it changes no value).
 
-    The only use of smartremat's private API in the fuzzer (its modules may be reorganised: mend
-    this function alone): `PlannedStep._entry` (the planned `Entry` of a signature, with its
-    `classes` and `assignments`) and `smartremat._step`'s `bind`, `split_args`, `lower_step` and
-    `compile_quietly`.
+    With `planned_entry`, the only use of smartremat's private API in the fuzzer (its modules may
+    be reorganised: mend these two functions alone): `PlannedStep._entry` (the planned `Entry` of a
+    signature, with its `classes` and `assignments`) and `smartremat._step`'s `bind`, `split_args`,
+    `lower_step` and `compile_quietly`.
     """
     from smartremat._step import bind, compile_quietly, lower_step, split_args
 
-    if planned is not None:
-        with jax.enable_x64(False):  # the entry cached for the float32 arguments, not a new plan
-            (entry, _, _), _ = planned._entry(planned_args, {})
-        classes, assignments = entry.classes, entry.assignments
     sig, dynamic = split_args(step, *bind(step, args, {}))
     lowered, box = lower_step(sig, (classes, assignments), "none")
     return eqx.combine(compile_quietly(lowered)(*dynamic), box.value)
+
+
+def planned_entry(planned: Any, args: tuple) -> tuple[frozenset, tuple]:
+    """`(classes, assignments)` of the plan `planned` (a `smartremat.filter_jit` step) runs for
+    `args` (the entry cached for them, not a new plan), for `same_plan`."""
+    with jax.enable_x64(False):  # the entry cached for the float32 arguments
+        (entry, _, _), _ = planned._entry(args, {})
+    return entry.classes, entry.assignments
 
 
 def _relative(mismatch: str) -> float:
@@ -417,29 +459,45 @@ def _check_figures(plan: smartremat.Plan, temp: int, floor_mb: float) -> None:
                      f"explain: compiled {plan.compiled_peak_bytes / MB:.4f} MB; step: {temp / MB:.4f} MB\n{text}")
 
 
-def _check_decorator(case: Case, built: Built, budget: float, expected: Any, figures: dict) -> None:
+def _check_decorator(case: Case, built: Built, budget: float, expected: Any, figures: dict,
+                     hbm: int | None = None) -> None:
     """The instance wrapper in a plain `eqx.filter_jit` step: runs (or refuses with the
-    documented error) and gives the plain answer."""
+    documented error) and gives the plain answer. With a chip (`hbm`), the wrapper plans (its
+    candidates meet the chip's refusals) and the step runs there, and the plan of each call is
+    recorded there (the chip's caches go with it); rule 6 runs off the chip."""
     wrap = smartremat.smartremat(budget_mb=budget)
+    with on_chip(hbm) as chip:
+        actual = _run_decorated(case, built, wrap)
+        plans = None if actual is None or chip is None else _recorded(built, wrap)
+    if chip is not None:
+        figures["chip_refused"] = len(chip.refused)
+    if actual is None:  # the documented refusal
+        return
+    _compare(case, actual, expected, lambda: float64_answers(built, lambda args: same_plan(
+        built.step, _with_model(built, wrap(args[0]), args), frozenset([smartremat.SmartRemat]),
+        _recorded(built, wrap) if plans is None else plans)), figures)
+
+
+def _run_decorated(case: Case, built: Built, wrap: Callable) -> Any:
+    """The step's outputs with the model wrapped by `wrap`; `None` where it refuses the budget
+    with the documented error (the decorator's budget counts the module only)."""
     args = fresh(built.args)  # the model's arrays too: a donating step consumes them
     args = _with_model(built, wrap(args[0]), args)
     try:
-        actual = eqx.filter_jit(built.step, donate="all" if case.donate else "none")(*args)
+        return eqx.filter_jit(built.step, donate="all" if case.donate else "none")(*args)
     except ValueError as e:
-        if "at least" in str(e):  # the decorator's budget counts the module only: a refusal is documented
-            return
-        raise Failed("exception", _key(e), _trace(e)) from e
+        if "at least" in str(e):
+            return None
+        raise _failure(e) from e
     except Exception as e:
-        raise Failed("exception", _key(e), _trace(e)) from e
+        raise _failure(e) from e
 
-    def answers64() -> tuple[Any, Any]:
-        plans = _Plans()  # the plan of each call of the wrapper, as it ran in float32
-        eqx.filter_eval_shape(built.step, *_with_model(built, _Recording(wrap(built.model), plans), built.args))
-        return float64_answers(built, lambda args: same_plan(
-            built.step, _with_model(built, wrap(args[0]), args), classes=frozenset([smartremat.SmartRemat]),
-            assignments=tuple(plans.assignments)))
 
-    _compare(case, actual, expected, answers64, figures)
+def _recorded(built: Built, wrap: Callable) -> tuple:
+    """The plan of each call of the wrapper, as it runs on the step's (float32) arguments."""
+    plans = _Plans()
+    eqx.filter_eval_shape(built.step, *_with_model(built, _Recording(wrap(built.model), plans), built.args))
+    return tuple(plans.assignments)
 
 
 def _with_model(built: Built, model: Any, args: tuple) -> tuple:

@@ -6,6 +6,9 @@ Each field names an idiom Equinox users write; the first value of every field is
 which is what the shrinker moves towards. `normalise` makes a drawn record consistent (e.g.
 BatchNorm needs the model under `jax.vmap` with an axis name), so every `Case` that `normalise`
 leaves unchanged is buildable.
+
+Fields added later (`LATE`: the simulated chip) are drawn after the case's seed, so a seed draws
+the same other fields as before they were added (`covering` leaves them out for the same reason).
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ CHOICES: dict[str, tuple] = {
     "batch": (4, 8, 16),
     "depth": (1, 2, 3),
     "budget": (0.5, 0.0, 0.25, 0.75, 1.0),  # where the budget lies between the stated floor (0) and the plain temp (1)
+    "chip": ("none", "tight", "auto"),  # no device limit, or a simulated chip (tests/simulated_chip.py)
+    # that refuses larger programs, with the budget drawn as above, or `budget_mb="auto"` (check.py sizes it)
 }
 
 #: How often each value is drawn (relative weights, same order as `CHOICES`).
@@ -73,7 +78,12 @@ WEIGHTS: dict[str, tuple] = {
     "batch": (1, 2, 1),
     "depth": (1, 2, 2),
     "budget": (1, 1, 1, 1, 1),
+    "chip": (3, 1, 1),
 }
+
+#: Fields added to the grammar later, drawn after the case's seed: the seed and the other fields
+#: a run draws are those it drew before they were added.
+LATE = ("chip",)
 
 OPTAX = ("sgd", "adam", "adamw")
 
@@ -104,6 +114,7 @@ class Case:
     batch: int = 4
     depth: int = 1
     budget: float = 0.5
+    chip: str = "none"
 
     def idioms(self) -> list[str]:
         """`field=value` for every choice that is not the simplest (what the summary counts)."""
@@ -138,13 +149,17 @@ def normalise(case: Case) -> Case:
         c["method"] = "call"
     if c["vmap"] == "inner" and c["layout"] == "sequential":  # Sequential calls its layers unbatched
         c["vmap"] = "outer"
+    if c["chip"] == "auto" and c["path"] == "decorator":  # the decorator takes a number of MB only
+        c["chip"] = "tight"
     return Case(**c)
 
 
 def draw(rng: random.Random) -> Case:
-    """A case drawn with `WEIGHTS` (then `normalise`d)."""
-    fields = {k: rng.choices(v, weights=WEIGHTS[k])[0] for k, v in CHOICES.items()}
-    return normalise(Case(seed=rng.randrange(2**16), **fields))
+    """A case drawn with `WEIGHTS` (then `normalise`d): the fields, the seed, then the `LATE` fields."""
+    pick = lambda k: rng.choices(CHOICES[k], weights=WEIGHTS[k])[0]  # noqa: E731
+    fields = {k: pick(k) for k in CHOICES if k not in LATE}
+    seed = rng.randrange(2**16)
+    return normalise(Case(seed=seed, **fields, **{k: pick(k) for k in LATE}))
 
 
 def case_at(seed: int, index: int) -> Case:
@@ -153,10 +168,11 @@ def case_at(seed: int, index: int) -> Case:
 
 
 def covering(seed: int, n: int, pool: int = 400) -> list[int]:
-    """`n` indexes of cases from `seed` that together draw every value of every field (greedily:
-    each next case adds the most values not yet drawn, ties to the lowest index; once all are
-    drawn, the next indexes in order)."""
-    drawn = [{(k, getattr(case_at(seed, i), k)) for k in CHOICES} for i in range(pool)]
+    """`n` indexes of cases from `seed` that together draw every value of every field but the
+    `LATE` ones (greedily: each next case adds the most values not yet drawn, ties to the lowest
+    index; once all are drawn, the next indexes in order). Without the `LATE` fields, the indexes
+    chosen are those chosen before these fields were added."""
+    drawn = [{(k, getattr(case_at(seed, i), k)) for k in CHOICES if k not in LATE} for i in range(pool)]
     seen: set = set()
     chosen: list[int] = []
     while len(chosen) < n:

@@ -1,0 +1,318 @@
+"""The accelerator check: a training step that does not fit the chip without remat, planned by
+`smartremat.filter_jit` against every fixed per-block policy, on one accelerator.
+
+    python benchmarks/accelerator_check.py [--layout unrolled|scanned] [--dtype float32|bfloat16]
+        [--batch 8] [--budgets auto,9500] [--strategies none,full,dots_nb,dots] [--steps 10]
+        [--merge] [--out docs/results] [--size gpt2-medium|tiny]
+
+The model is GPT-2-medium-shaped and written the ordinary Equinox way (`benchmarks.models.SequenceGPT`:
+24 pre-norm blocks of `eqx.nn.LayerNorm`, `eqx.nn.MultiheadAttention` under a causal mask and a 4x
+MLP of `eqx.nn.Linear`; d=1024, 16 heads, T=1024, vocabulary 32,768; 370 M parameters; one sequence
+per call, batched by `jax.vmap` in the loss; `--layout scanned`: blocks stacked by `eqx.filter_vmap`
+and run by `jax.lax.scan`). The step is the user's: next-token cross-entropy, its gradient, an Adam
+update, every argument donated. At batch 8 in float32 its step without remat needs 19.4 GB of
+temporaries, more than a TPU v5e's 15.75 GiB (docs/facts.md, fact 21).
+
+Each run (smartremat at each budget first, `"auto"` before any other so that the process's peak
+memory after it is its own; then each fixed strategy) starts from the same parameters, copied onto
+the device, compiles (a compile the chip refuses is a row with the compiler's message and figure),
+runs one step whose loss, gradient (Adam's first moment) and new parameters are kept on the host,
+then `--steps` more steps fed with the previous outputs, timed one by one (median); its state is then
+freed, so runs are sequential, not interleaved: one training state of this model takes 4.5 GB of the
+chip. Rows: compiled temp bytes, compile (or first call) seconds, step time, model FLOPs utilisation
+(6 N + 12 L T d FLOPs per token against the chip's peak, `--peak-tflops`), the process's
+`peak_bytes_in_use`, and the largest difference from the reference run (full remat) of the loss,
+gradients and parameters, per leaf over its largest value. For smartremat also: the plan, its
+budget, predicted and compiled figures, the lowest reachable figure, and the first call against the
+fastest fitting fixed strategy's compile.
+
+The figures go to `<out>/accelerator_check_<device>_<layout>_<dtype>_batch<B>.json` and `.md`;
+`--merge` adds this call's runs to that file's (a check larger than one device call, run in parts;
+differences are from the reference run of the same call). The file is written after each run.
+`--size tiny` runs the same machinery on a tiny model on the CPU (tests/test_benchmark.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import benchmarks.common  # noqa: F401  (the CPU flag, only where there is no accelerator)
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import pathlib
+import re
+import statistics
+import time
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import smartremat
+from benchmarks.models import SequenceGPT, sequence_gpt_loss
+from benchmarks.strategies import strategy
+
+MB = smartremat.MB
+OPT = optax.adam(1e-4)
+SIZES = {"gpt2-medium": dict(layers=24, d=1024, heads=16, seq=1024, vocab=32768),
+         "tiny": dict(layers=3, d=32, heads=2, seq=32, vocab=64)}
+#: Peak dense bf16 FLOP/s per chip, by `device_kind` (Google's figures); others need --peak-tflops.
+PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v4": 275.0, "TPU v6 lite": 918.0}
+REFERENCE = "full"
+
+
+def step(model: Any, opt_state: Any, tokens: jax.Array) -> tuple[jax.Array, Any, Any]:
+    """The user's step: loss, gradient, Adam update."""
+    loss, grads = eqx.filter_value_and_grad(sequence_gpt_loss)(model, tokens)
+    updates, opt_state = OPT.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return loss, eqx.apply_updates(model, updates), opt_state
+
+
+def refused(e: Exception) -> str | None:
+    """The compiler's out-of-memory message (first line), or None for any other error."""
+    text = str(e)
+    return text.strip().splitlines()[0] if "RESOURCE_EXHAUSTED" in text else None
+
+
+def on_host(tree: Any) -> list[np.ndarray]:
+    return [np.asarray(x, np.float32) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array))]
+
+
+def first_moment(opt_state: Any) -> Any:
+    """Adam's first moment after one step: the gradient times (1 - b1)."""
+    return opt_state[0].mu
+
+
+class Check:
+    """The model's parameters on the host, the tokens, and the runs made so far."""
+
+    def __init__(self, size: str, layout: str, dtype: str, batch: int):
+        shape = SIZES[size]
+        model = SequenceGPT(**shape, key=jax.random.key(0), scanned=layout == "scanned",
+                            dtype=jnp.dtype(dtype))
+        self.params, self.static = eqx.partition(model, eqx.is_array)
+        self.params = jax.tree.map(np.asarray, self.params)  # on the host: each run copies them over
+        self.tokens = jax.random.randint(jax.random.key(1), (batch, shape["seq"] + 1), 0, shape["vocab"])
+        n = sum(x.size for x in jax.tree.leaves(self.params))
+        tokens = batch * shape["seq"]
+        self.flops = 6 * n * tokens + 12 * shape["layers"] * shape["seq"] * shape["d"] * tokens
+        self.parameters = n
+        self.kept: dict[str, tuple] = {}
+
+    def fresh(self, name: str) -> tuple[Any, Any]:
+        model = eqx.combine(jax.tree.map(jnp.asarray, self.params), self.static)
+        model = model if name.startswith("smartremat") else strategy(model, name, lambda m: _blocks(m))
+        return model, OPT.init(eqx.filter(model, eqx.is_array))
+
+    def run(self, name: str, make: Any, steps: int) -> dict:
+        """One run: `make()` gives `(compile seconds or None, callable step)`; see the module docstring."""
+        model, opt_state = self.fresh(name)
+        t0 = time.perf_counter()
+        try:
+            jitted = make(model, opt_state)
+            loss, model, opt_state = jax.block_until_ready(jitted(model, opt_state, self.tokens))
+        except Exception as e:  # noqa: BLE001 - a refusal is a row; anything else is raised
+            message = refused(e)
+            if message is None:
+                raise
+            del model, opt_state
+            return {"refused": message, "first_s": time.perf_counter() - t0}
+        first = time.perf_counter() - t0
+        self.kept[name] = (float(loss), on_host(first_moment(opt_state)), on_host(model))
+        times = []
+        for _ in range(steps):
+            t1 = time.perf_counter()
+            _, model, opt_state = jax.block_until_ready(jitted(model, opt_state, self.tokens))
+            times.append(time.perf_counter() - t1)
+        stats = jax.devices()[0].memory_stats() or {}
+        del model, opt_state, jitted
+        gc.collect()
+        return {"first_s": first, "step_s": statistics.median(times) if times else None,
+                "peak_bytes_in_use": stats.get("peak_bytes_in_use")}
+
+
+def _blocks(model: SequenceGPT) -> list:
+    return [model.blocks] if model.scanned else model.blocks
+
+
+def compiled_fixed(check: Check, row: dict) -> Any:
+    """`make` for a fixed strategy: the donated step lowered and compiled, its temp bytes in `row`."""
+
+    def make(model: Any, opt_state: Any) -> Any:
+        t0 = time.perf_counter()
+        compiled = eqx.filter_jit(step, donate="all").lower(model, opt_state, check.tokens).compile()
+        row["compile_s"] = time.perf_counter() - t0
+        row["temp_mb"] = compiled.compiled.memory_analysis().temp_size_in_bytes / MB
+        return compiled
+
+    return make
+
+
+def planned_step(budget: str, row: dict) -> Any:
+    """`make` for smartremat: `filter_jit(step, budget_mb=...)`, planned on the first call."""
+
+    def make(model: Any, opt_state: Any) -> Any:
+        mb: Any = "auto" if budget == "auto" else float(budget)
+        planned = smartremat.filter_jit(step, budget_mb=mb, donate="all")
+        row["planned"] = planned
+        return planned
+
+    return make
+
+
+def plan_row(row: dict, check: Check) -> None:
+    planned = row.pop("planned", None)
+    if planned is None or "refused" in row:
+        return
+    plan = planned.plan(*check.fresh("smartremat"), check.tokens)
+    row.update(temp_mb=plan.compiled_peak_bytes / MB, budget_mb=plan.budget_bytes / MB,
+               predicted_mb=plan.predicted_peak_bytes / MB, lowest_mb=plan.min_peak_bytes / MB,
+               full_predicted_mb=plan.full_remat_peak_bytes / MB, none_predicted_mb=plan.no_remat_peak_bytes / MB,
+               compiles=plan.compiles, planning_s=plan.planning_seconds,
+               policies=" ".join(b.policy for b in plan.blocks), explain=str(plan))
+
+
+def differences(check: Check, name: str) -> dict:
+    if name not in check.kept or REFERENCE not in check.kept:
+        return {}
+    (l0, g0, p0), (l1, g1, p1) = check.kept[REFERENCE], check.kept[name]
+    worst = lambda a, b: max(float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30)) for x, y in zip(a, b))  # noqa: E731
+    return {"loss_diff": abs(l1 - l0) / abs(l0), "grad_diff": worst(g1, g0), "param_diff": worst(p1, p0)}
+
+
+def derived(result: dict, check_flops: float, peak: float | None) -> None:
+    """Step time against the fastest fitting fixed strategy, MFU, first call against its compile."""
+    rows = result["runs"]
+    fixed = {n: r for n, r in rows.items() if not n.startswith("smartremat") and r.get("step_s")}
+    fastest = min(fixed, key=lambda n: fixed[n]["step_s"], default=None)
+    result["fastest_fitting_fixed"] = fastest
+    for name, r in rows.items():
+        if r.get("step_s"):
+            r["mfu"] = check_flops / r["step_s"] / (peak * 1e12) if peak else None
+            if fastest is not None:
+                r["vs_fastest_fixed"] = r["step_s"] / fixed[fastest]["step_s"]
+        if name.startswith("smartremat") and fastest is not None and "first_s" in r:
+            r["first_call_vs_fastest_fixed_compile"] = r["first_s"] / fixed[fastest]["compile_s"]
+
+
+def check(size: str, layout: str, dtype: str, batch: int, budgets: list[str], names: list[str], steps: int,
+          out: pathlib.Path, merge: bool, peak: float | None, command: str) -> dict:
+    device = jax.devices()[0]
+    precision = jax.config.jax_default_matmul_precision or ""
+    name = f"{device.platform} {device.device_kind} {layout} {dtype} batch{batch} {precision}"
+    slug = re.sub(r"[^a-z0-9]+", "_", name.lower())
+    path = out / f"accelerator_check_{slug.strip('_')}.json"
+    result = json.loads(path.read_text()) if merge and path.exists() else {"runs": {}, "commands": []}
+    c = Check(size, layout, dtype, batch)
+    peak = peak or PEAK_TFLOPS.get(device.device_kind)
+    result.update(device=device.device_kind, platform=device.platform, jax=jax.__version__,
+                  equinox=eqx.__version__, smartremat_version=smartremat.__version__,
+                  bytes_limit=(device.memory_stats() or {}).get("bytes_limit"), xla_flags=os.environ.get("XLA_FLAGS", ""),
+                  matmul_precision=precision or "default",
+                  model=f"SequenceGPT {size} ({layout}, {dtype}), {c.parameters / 1e6:.0f} M parameters, batch {batch}, "
+                        "Adam, donated", flops_per_step=c.flops, peak_tflops=peak, steps=steps)
+    result["commands"].append(command)
+    runs = [(f"smartremat {b}", lambda row, b=b: planned_step(b, row)) for b in sorted(budgets, key=lambda b: b != "auto")]
+    runs += [(n, lambda row: compiled_fixed(c, row)) for n in sorted(names, key=lambda n: n != REFERENCE)]
+    for name, maker in runs:  # written after each run: a call cut short keeps what it measured
+        row: dict = {}
+        row.update(c.run(name, maker(row), steps))
+        plan_row(row, c)
+        result["runs"][name] = row
+        print(f"{name}: {_short(row)}", flush=True)
+        for other, kept in result["runs"].items():  # differences within this call (its reference)
+            kept.update(differences(c, other))
+        derived(result, c.flops, peak)
+        write(path, result)
+    return result
+
+
+def write(path: pathlib.Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    path.with_suffix(".md").write_text(markdown(result))
+
+
+def _short(row: dict) -> str:
+    keep = ("refused", "temp_mb", "compile_s", "first_s", "step_s", "peak_bytes_in_use", "policies")
+    return ", ".join(f"{k}={row[k]:.4g}" if isinstance(row[k], float) else f"{k}={row[k]}" for k in keep if k in row)
+
+
+def _f(x: Any, spec: str, scale: float = 1.0) -> str:
+    return "-" if x is None else format(x * scale, spec)
+
+
+def markdown(r: dict) -> str:
+    lines = [f"# Accelerator check: {r['model']}", "",
+             f"{r['device']} ({r['platform']}, bytes_limit {_f(r['bytes_limit'], '.0f', 1 / MB)} MB), jax {r['jax']}, "
+             f"equinox {r['equinox']}, smartremat {r['smartremat_version']}, XLA_FLAGS=`{r['xla_flags']}`, matmul precision "
+             f"{r.get('matmul_precision', 'default')}; "
+             f"median of {r['steps']} steps after the first; MFU at {r['peak_tflops']} TFLOP/s; differences from "
+             f"`{REFERENCE}` (loss, gradient, parameters after one step; per leaf over its largest value)", ""]
+    lines += [f"    python {c}" for c in r["commands"]] + ["",
+              "| run | temp MB | compile / first call s | step ms | / fastest fixed | MFU | peak in use MB | loss diff "
+              "| grad diff | param diff |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, x in r["runs"].items():
+        if "refused" in x:
+            lines.append(f"| {name} | refused: {x['refused']} | {x['first_s']:.1f} | - | - | - | - | - | - | - |")
+            continue
+        first = x.get("compile_s", x.get("first_s"))
+        lines.append(f"| {name} | {_f(x.get('temp_mb'), '.1f')} | {_f(first, '.1f')} | {_f(x.get('step_s'), '.1f', 1e3)} "
+                     f"| {_f(x.get('vs_fastest_fixed'), '.3f')} | {_f(x.get('mfu'), '.1%')} "
+                     f"| {_f(x.get('peak_bytes_in_use'), '.0f', 1 / MB)} | {_f(x.get('loss_diff'), '.1e')} "
+                     f"| {_f(x.get('grad_diff'), '.1e')} | {_f(x.get('param_diff'), '.1e')} |")
+    for name, x in r["runs"].items():
+        if name.startswith("smartremat") and "explain" in x:
+            lines += ["", f"## {name}: budget {x['budget_mb']:.0f} MB, predicted {x['predicted_mb']:.0f} MB, compiled "
+                      f"{x['temp_mb']:.0f} MB (model error {x['predicted_mb'] / x['temp_mb'] - 1:+.1%}); first call "
+                      f"{x['first_s']:.1f} s, {_f(x.get('first_call_vs_fastest_fixed_compile'), '.1f')}x the fastest "
+                      "fixed strategy's compile", "", "```", x["explain"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--size", default="gpt2-medium", choices=sorted(SIZES))
+    ap.add_argument("--layout", default="unrolled", choices=["unrolled", "scanned"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--budgets", default="auto,9500", help="smartremat's budgets: auto and/or MB, comma-separated")
+    ap.add_argument("--strategies", default="none,full,dots_nb,dots", help=f"fixed strategies ({REFERENCE} is needed)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps after the first")
+    ap.add_argument("--peak-tflops", type=float, default=None)
+    ap.add_argument("--merge", action="store_true", help="add these runs to the file's")
+    ap.add_argument("--out", default="docs/results")
+    ap.add_argument("--precision", default=None, choices=["default", "high", "highest"],
+                    help="jax.default_matmul_precision for every run (a TPU multiplies float32 in bfloat16 passes "
+                         "by default, so remat changes rounding: 'highest' checks the answers exactly)")
+    ap.add_argument("--verbose", action="store_true", help="log what planning does, with the time")
+    args = ap.parse_args(argv)
+    if args.verbose:
+        logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
+        logging.getLogger("smartremat").setLevel(logging.INFO)
+    names = [n for n in args.strategies.split(",") if n]
+    budgets = [b for b in args.budgets.split(",") if b]
+    if names and REFERENCE not in names:
+        raise SystemExit(f"--strategies {args.strategies}: the reference of the differences, {REFERENCE}, is needed")
+    if not all(b == "auto" or re.fullmatch(r"[0-9.]+", b) for b in budgets):
+        raise SystemExit(f"--budgets {args.budgets}: auto or numbers of MB, comma-separated")
+    command = " ".join(["benchmarks/accelerator_check.py", *(sys.argv[1:] if argv is None else argv)])
+    precision = contextlib.nullcontext() if args.precision is None else jax.default_matmul_precision(args.precision)
+    with precision:
+        result = check(args.size, args.layout, args.dtype, args.batch, budgets, names, args.steps,
+                       pathlib.Path(args.out), args.merge, args.peak_tflops, command)
+    print(markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
