@@ -188,10 +188,10 @@ def _render(plan: Plan) -> str:
         for name in names:
             o = by_name.get(name) or next((x for x in b.options if name in x.merged), None)
             mark = "*" if o is not None and o is b.chosen else " "
-            cells.append("-" if o is None else f"{o.saved_bytes * b.calls / MB:.2f}{mark}")
+            cells.append("-" if o is None else f"{max(o.saved_bytes, 0) * b.calls / MB:.2f}{mark}")
         cells.append(f"{b.chosen.recompute_flops * b.calls * n / 1e9:.3f}")
         rows.append(cells)
-    return "\n".join([_table(head, rows), "", *_totals(plan)])
+    return "\n".join([_table(head, rows), "", *_totals(plan), *_lending(plan)])
 
 
 def _table(head: list[str], rows: list[list[str]]) -> str:
@@ -202,8 +202,6 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
 
 def _totals(plan: Plan) -> list[str]:
     overhead = 100 * plan.recompute_flops / plan.forward_flops if plan.forward_flops else 0.0
-    lends = any(o.saved_bytes < 0 for b in plan.blocks for o in b.options)
-    below = "; below zero where a block's gradient buffers hold later blocks' activations" if lends else ""
     return [
         f"predicted peak  {plan.predicted_peak_bytes / MB:10.2f} MB   budget {plan.budget_bytes / MB:.2f} MB"
         + ("" if plan.compiled_peak_bytes is None
@@ -212,8 +210,22 @@ def _totals(plan: Plan) -> list[str]:
         f"   lowest {plan.min_peak_bytes / MB:.2f} MB (the model's; the compiler decides fit)",
         f"recompute       {plan.recompute_flops / 1e9:10.3f} GFLOP ({overhead:.1f}% of the forward)",
         f"planned in      {plan.planning_seconds:10.2f} s on {plan.backend}, {plan.compiles} whole-step compiles   "
-        f"(* = chosen; MB kept for the backward{below})",
+        "(* = chosen; MB kept for the backward)",
     ] + _timed_rows(plan) + [f"note: {n}" for n in plan.notes]
+
+
+def _lending(plan: Plan) -> list[str]:
+    """A note per option whose kept bytes the model counts below zero (shown as 0.00 in the table):
+    the block keeps almost nothing, and its weight gradients' output buffers, written last in the
+    backward, hold that many bytes of later blocks' activations (docs/facts.md, fact 12)."""
+    lent = {}
+    for label, b, _ in _group(plan.blocks):
+        for o in b.options:
+            if o.saved_bytes < 0:
+                each = " each" if ":" in label.rsplit("[", 1)[-1] else ""  # a range of identical blocks
+                lent.setdefault(o.name, []).append(f"{label} {-o.saved_bytes * b.calls / MB:.2f} MB{each}")
+    return [f"note: under {short_name(name)} ({name}) the gradient buffers of these blocks hold later blocks' "
+            f"activations, counted in the peak (shown as 0.00 kept): {', '.join(rows)}" for name, rows in lent.items()]
 
 
 def _timed_rows(plan: Plan) -> list[str]:

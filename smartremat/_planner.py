@@ -11,6 +11,7 @@ fit is worded. `planned` adds the caches: one plan per target key in this proces
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import warnings
@@ -145,7 +146,8 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
     With `tune=True`, the fitting candidates of `_tune.pool` are timed by it, and the
     one of the lowest median time replaces that choice (`_fastest`, `_tune.tuned`).
     """
-    measure, confirm, time_of = _measures(model, config, target)
+    refused: list[Refused] = []  # what the device refused, candidate by candidate
+    measure, confirm, time_of = _measures(model, config, target, refused)
     stages = model.stages
     front = frontier(stages) if len(stages) <= _MAX_FRONTIER_STAGES else sorted({lowest, sol}, key=lambda s: s.peak)
     points = spread(front, MAX_CANDIDATES)
@@ -162,8 +164,11 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
 
     uniforms = list(dict.fromkeys(uniform(model, p) for p in config.policies))
 
-    def error(floor: int) -> Exception:
-        return target.too_low(config, model, floor, compiled=True)
+    def error(floor: float) -> Exception:
+        if not math.isfinite(floor):  # nothing compiled: every candidate refused (or not built)
+            return no_plan_fits(target.name, refused)
+        e = target.too_low(config, model, int(floor), compiled=True)
+        return ValueError(f"{e}{REFUSED_NOTE.format(n=len(refused))}") if refused and isinstance(e, ValueError) else e
 
     out = search([p.choice for p in points], uniforms, Estimates(peak, flops), config.budget_bytes, measure, rank,
                  error, progress, confirm)
@@ -172,7 +177,25 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
     return Solution(out.choice, peak_of(stages, out.choice), cost_of(stages, out.choice)), out
 
 
-def _measures(model: MemoryModel, config: Config, target: Target) -> tuple[Callable, Callable | None, Callable]:
+#: Said after an infeasible budget's error when the device refused candidates for memory.
+REFUSED_NOTE = (" Besides, {n} candidate plan(s) did not fit the device's memory (its compiler refused them, or "
+                "they compiled to more than it holds): no budget makes those run.")
+
+
+def no_plan_fits(name: str, refused: list[Refused]) -> ValueError:
+    """Every candidate compiled was refused by the device: no budget helps; what each needed."""
+    needs = sorted({r.needed for r in refused if r.needed})
+    least = f" (the least any needed: {needs[0] / MB:.1f} MB)" if needs else ""
+    first = refused[0].message if refused else "no candidate could be built"
+    return ValueError(
+        f"smartremat: the step of {name} does not fit the device's memory under any remat plan tried: "
+        f"{len(refused)} candidate plan(s), full remat among them, did not fit it{least}; the compiler said: "
+        f"{first} No budget changes that: lower the batch size, shard the batch or the parameters over more "
+        "devices, or keep the optimizer state off the device.")
+
+
+def _measures(model: MemoryModel, config: Config, target: Target,
+              refused: list | None = None) -> tuple[Callable, Callable | None, Callable]:
     """`(measure, confirm, time_of)` of candidate choices on the target's step: compiled under its
     first loss, under all of them (`None` where it has one), timed (`_tune.timings`). A candidate
     the device's compiler refuses for memory is over budget: its figures are the bytes the refusal
@@ -182,6 +205,8 @@ def _measures(model: MemoryModel, config: Config, target: Target) -> tuple[Calla
             return target.measure(target.runs(model, choice), config, every_loss)
         except Refused as e:  # the device's compiler refused it for memory: it does not fit
             logger.debug("smartremat: candidate %s refused by the compiler (%s)", choice, e.message)
+            if refused is not None:
+                refused.append(e)
             return over_budget(e, config.budget_bytes), REFUSED_FLOPS
 
     measure = lambda choice: measured(choice, False)  # noqa: E731

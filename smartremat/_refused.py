@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import NamedTuple, TypeVar
 
 import jax
 
@@ -28,8 +28,11 @@ class Refused(Exception):
     the program needs (`None` where it names none); `message`: the compiler's first line."""
 
     def __init__(self, needed: int | None, message: str):
-        super().__init__(message)
+        super().__init__(needed, message)
         self.needed, self.message = needed, message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def refusal(e: BaseException) -> Refused | None:
@@ -64,23 +67,30 @@ def compile_or_refuse(compile: Callable[[], T]) -> T:
         raise refused from e
 
 
-def kept(make: Callable[[], T]) -> Callable[[], T | Refused]:
-    """`make` for a cache: a refusal returned as a value, so that a program the device refused is
-    not compiled again (on a TPU, each such compile of a real model takes about a minute)."""
+class Refusal(NamedTuple):
+    """A refusal as a cached value (no traceback, no compiler frames held)."""
 
-    def made() -> T | Refused:
+    needed: int | None
+    message: str
+
+
+def kept(make: Callable[[], T]) -> Callable[[], T | Refusal]:
+    """`make` for a cache: a refusal returned as a `Refusal` value, so that a program the device
+    refused is not compiled again (on a TPU, each such compile of a real model takes about a minute)."""
+
+    def made() -> T | Refusal:
         try:
             return make()
         except Refused as e:
-            return e
+            return Refusal(e.needed, e.message)
 
     return made
 
 
-def raised(value: T | Refused) -> T:
-    """A cached value of `kept`: the refusal raised again, anything else returned."""
-    if isinstance(value, Refused):
-        raise value
+def raised(value: T | Refusal) -> T:
+    """A cached value of `kept`: a refusal raised afresh (`Refused`), anything else returned."""
+    if isinstance(value, Refusal):
+        raise Refused(value.needed, value.message)
     return value
 
 
@@ -89,11 +99,3 @@ def over_budget(refused: Refused, budget: int) -> int:
     above `budget` whatever it says (a program refused for its arguments may need fewer temp
     bytes than the budget, and still does not fit)."""
     return max(refused.needed or 0, budget + 1)
-
-
-def describe(refused: Any) -> str:
-    """One line for notes and errors: the compiler's figure, or its message where it names none."""
-    needed = getattr(refused, "needed", None)
-    if needed:
-        return f"{needed / 2**20:.3f} MB needed" if needed < 2**30 else f"{needed / 2**20:.0f} MB needed"
-    return str(getattr(refused, "message", refused))

@@ -117,22 +117,26 @@ class CandidateFigures:
             self.progress(f"compiling a candidate plan under every loss ({len(self.confirmed) + 1} so far)")
             self.confirmed.add(choice)
             try:
-                self.figures[choice] = (self.confirm(choice)[0], self.figures[choice][1])
+                temp, flops = self.confirm(choice)  # inf FLOPs: refused under some loss
+                self.figures[choice] = (temp, self.figures[choice][1] if math.isfinite(flops) else flops)
             except Unbuildable:
                 self.figures[choice] = UNBUILT
                 if self.raising:
                     raise _Unbuilt() from None
         return self.figures[choice][0]
 
-    def floor(self) -> int:
+    def floor(self) -> float:
         """The lowest exact temp bytes among the candidates compiled (branch and bound: a
-        first-loss figure at or above the best exact one cannot beat it)."""
+        first-loss figure at or above the best exact one cannot beat it); candidates not built or
+        refused by the device (infinite FLOPs) reach nothing. `inf` where none was compiled."""
         best = float("inf")
         for c in sorted(self.figures, key=lambda c: self.figures[c][0]):
             if self.figures[c][0] >= best:
                 break
-            best = min(best, self.exact(c))
-        return int(best)
+            if math.isfinite(self.figures[c][1]):
+                temp = self.exact(c)
+                best = min(best, temp) if math.isfinite(self.figures[c][1]) else best
+        return best
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,7 @@ class Estimates:
 
 def search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimates, budget: int,
            measure: Callable[[Choice], tuple[int, float]], rank: Callable[[Choice, float], float],
-           error: Callable[[int], Exception], progress: Callable[[str], None],
+           error: Callable[[float], Exception], progress: Callable[[str], None],
            confirm: Callable[[Choice], tuple[int, float]] | None = None) -> Outcome:
     """The cheapest candidate whose compiled temp bytes fit `budget` (within `TIE_MARGIN`, the one
     of fewest temp bytes).
@@ -157,7 +161,8 @@ def search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimate
     - `model`: the model's predicted peak (bytes) and FLOPs of a choice.
     - `measure`: a choice's compiled `(temp bytes, flops)` (under the first loss).
     - `rank`: the figure to minimise, from a choice and its compiled FLOPs.
-    - `error`: the exception to raise, given the lowest compiled temp, when nothing fits.
+    - `error`: the exception to raise, given the lowest compiled temp (`inf` where every
+      candidate was refused or not built), when nothing fits.
     - `confirm`: a choice's compiled figures under every loss (the largest temp), if several.
     """
     compiled = CandidateFigures(measure, progress, confirm, raising=True)
@@ -175,7 +180,7 @@ class _Unbuilt(Exception):
 
 
 def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimates, budget: int,
-            compiled: CandidateFigures, rank: Callable[[Choice, float], float], error: Callable[[int], Exception]) -> Outcome:
+            compiled: CandidateFigures, rank: Callable[[Choice, float], float], error: Callable[[float], Exception]) -> Outcome:
     predicted = [model.peak(p) for p in points]
 
     def spare(point: Choice, *more: Choice) -> tuple[Choice, ...]:

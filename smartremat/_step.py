@@ -26,7 +26,7 @@ from ._cache import KeyedCache
 from ._env import environment_key, measuring_options
 from ._decorator import config_of
 from ._profile import mesh_context
-from ._refused import Refused, compile_or_refuse, kept, raised
+from ._refused import Refusal, compile_or_refuse, kept, raised
 from ._verify import assignment_key
 from ._spec import CallSpec, abstract, hashable, is_traced, make_spec, merge_leaves
 
@@ -321,7 +321,7 @@ def applying(classes: frozenset, assignments: tuple) -> Callable[[], _intercept.
     return make
 
 
-_FIGURES: KeyedCache[StepFigures | Refused] = KeyedCache()
+_FIGURES: KeyedCache[StepFigures | Refusal] = KeyedCache()
 #: The last few steps lowered, and compiled as they run: the step that runs is a candidate the
 #: search (or `tune=True`) has already lowered, and on a backend whose measuring compiles are its
 #: usual ones (`measuring_options()` empty: not the CPU), compiled.
@@ -396,7 +396,7 @@ def compiled_key(sig: Signature, entry_of: tuple, donate: str) -> tuple:
 def step_figures(sig: Signature, entry_of: tuple, donate: str) -> StepFigures:
     """Figures of the compiled step, cached by `compiled_key` (a refusal for memory too: raised
     as `_refused.Refused`, and not compiled again)."""
-    make = kept(lambda: figures_of(_measured(sig, entry_of, donate)))
+    make = kept(lambda: figures_of(compile_or_refuse(lambda: _measured(sig, entry_of, donate))))
     return raised(_FIGURES.get(compiled_key(sig, entry_of, donate), make))
 
 
@@ -410,7 +410,8 @@ def _measured(sig: Signature, entry_of: tuple, donate: str) -> Any:
 
 
 def compile_quietly(lowered: Any, options: dict[str, Any] | None = None) -> Any:
-    """`lowered.compile(options)` without the warning about unusable donated buffers; a refusal
-    for memory raised as `_refused.Refused`."""
+    """`lowered.compile(options)` without the warning about unusable donated buffers (JAX's own
+    error where the device refuses it: the step that runs is the user's; `step_figures`, which
+    measures, turns a refusal into `_refused.Refused`)."""
     with quiet_donation():
-        return compile_or_refuse(lambda: lowered.compile(options))
+        return lowered.compile(options)

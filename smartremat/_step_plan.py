@@ -18,7 +18,10 @@ from ._env import MB
 from ._key import PlanKey, step_key
 from ._model import Config, MemoryModel, after_stage, as_notes, build_model, joined, split_assignment, unplanned
 from ._plan import Plan
-from ._refused import Refused, describe
+from ._cost import aval_bytes
+from ._refused import Refused
+from ._memory import peak_at
+from ._search import Unbuildable
 from ._solve import min_peak
 from ._planner import Runs, planned
 from ._spec import planning_step, shardings_hidden
@@ -49,10 +52,12 @@ class StepTarget:
         if not self.calls:
             raise ValueError(_no_module_call(fun, roots, "smartremat.filter_jit"))
         self.labels = [c.label for c in self.calls]
-        self.limit = _device_limit(sig) if options.auto else None  # an automatic budget depends on it
+        self.memory = _device_limit(sig)  # the device's memory, where it reports it
+        self.said: tuple[str, ...] = ()  # what planning had to do otherwise (the reference), for the plan's notes
+        self.limit = self.memory if options.auto else None  # an automatic budget depends on it
 
     def key(self) -> PlanKey:
-        extra = (self.options, self.limit, AUTO_RESERVE)
+        extra = (self.options, self.memory, AUTO_RESERVE)
         return step_key(self.name, self.sig, self.jaxpr, Identity(self.fun), extra)
 
     def model(self, config: Config, progress: Callable[[str], None]) -> MemoryModel:
@@ -61,18 +66,34 @@ class StepTarget:
 
     def refined(self, model: MemoryModel, config: Config) -> tuple[MemoryModel, Config]:
         """The automatic budget (`budget_mb="auto"`), and the rest of the step after its last block
-        (`tail`), from the compiled reference step (`reference`)."""
+        (`tail`), from the compiled reference step (`reference`; where the device refuses every
+        one, the model unrefined and, for `"auto"`, `abstract_figures`)."""
         try:
             base, choice = self.reference(model)
-        except Refused as e:  # a number as budget: the search, not the model, finds what fits
-            if self.options.auto:
-                raise _refused_everywhere(self.fun, e) from None
+        except Refused as e:  # the search, not the model, finds what fits the device
             logger.debug("smartremat: no reference step compiled (%s); the tail is not measured", e.message)
-            return model, config
+            self.said = (NO_REFERENCE_NOTE,)
+            base, choice = self.abstract_figures(), None
         if self.options.auto:
             budget = auto_budget(self.sig, base, "smartremat.filter_jit", self.limit)
             config = dataclasses.replace(config, budget_bytes=budget, budget_mb=budget / MB)
-        return tail(model, base.temp, choice), config
+        return (model if choice is None else tail(model, base.temp, choice)), config
+
+    def abstract_figures(self) -> StepFigures:
+        """The step's figures without a compiled program (every reference refused): its arguments
+        and outputs from the recorded jaxpr, a donated argument aliased to an output of its type
+        (as XLA does), no code; the temp bytes unknown (0)."""
+        outs = [(tuple(v.shape), str(v.dtype), aval_bytes(v)) for v in self.jaxpr.out_avals]
+        alias = 0
+        for i in self.sig.donated(self.options.donate):
+            a = self.sig.avals[i]
+            match = next((o for o in outs if o[:2] == (tuple(a.shape), str(a.dtype))), None)
+            if match is not None:
+                outs.remove(match)
+                alias += match[2]
+        arguments = sum(aval_bytes(a) for a in self.sig.avals)
+        outputs = sum(aval_bytes(v) for v in self.jaxpr.out_avals)
+        return StepFigures(0, 0.0, arguments, outputs, alias, 0)
 
     def reference(self, model: MemoryModel) -> tuple[StepFigures, tuple[int, ...]]:
         """`(figures, choice)` of a compiled step to refine the model on: the step without remat;
@@ -80,17 +101,22 @@ class StepTarget:
         of lowest peak with the last block without remat (what follows that block then runs beside
         its kept bytes, as without remat); where that is refused too, the lowest choice itself.
         Where every one is refused, the last refusal is raised (`_refused.Refused`): the model's
-        lowest choice is not always the compiler's (a user's own checkpoints, a `cond`), so with a
-        number as budget the search goes on unrefined; `budget_mb="auto"` needs a compiled step
-        for its figures, and says that none fits."""
+        lowest choice is not always the compiler's (a user's own checkpoints, a `cond`), so the
+        search goes on with the model unrefined (and `budget_mb="auto"` on `abstract_figures`)."""
         lowest = min_peak(model.stages).choice
-        refused = None
-        for choice in dict.fromkeys([(0,) * len(lowest), (*lowest[:-1], 0), lowest]):
+        choices = [(0,) * len(lowest), (*lowest[:-1], 0)]
+        if peak_at(model.stages, lowest)[1] == len(lowest) - 1:  # else the tail does not set its peak
+            choices.append(lowest)
+        refused = Refused(None, "no reference step")
+        for k, choice in enumerate(dict.fromkeys(choices)):
             try:
-                return self.figures(model, choice), choice
-            except Refused as e:
-                refused = e
-        assert refused is not None
+                figures = self.figures(model, choice)
+            except (Refused, Unbuildable) as e:  # a split scan may not build
+                refused = e if isinstance(e, Refused) else refused
+                continue
+            if k:
+                self.said = (REFERENCE_NOTE.format(plan=_described(k)),)
+            return figures, choice
         raise refused
 
     def figures(self, model: MemoryModel, choice: tuple[int, ...]) -> StepFigures:
@@ -109,7 +135,13 @@ class StepTarget:
         return split_assignment(model, choice, self.labels)
 
     def measure(self, runs: Runs, config: Config, every_loss: bool) -> tuple[int, float]:
+        """The compiled step's temp bytes and FLOPs; `_refused.Refused` where the compiler refuses
+        it, or where it compiles to more than the device holds (XLA:GPU compiles such a program,
+        logging that it cannot reduce memory below the limit, and fails at run time)."""
         f = step_figures(self.sig, (self.classes, runs), self.options.donate)
+        total = f.temp + f.arguments + f.outputs - f.alias
+        if self.memory and total > self.memory:
+            raise Refused(total, f"the step needs {total / MB:.1f} MB, more than the device's {self.memory / MB:.1f} MB")
         return f.temp, f.flops
 
     def losses(self, config: Config) -> int:
@@ -128,6 +160,9 @@ class StepTarget:
         return _too_low(self.fun, config, floor, "smartremat.filter_jit", self.options.auto, reasons)
 
     def notes(self, model: MemoryModel) -> tuple[str, ...]:
+        return self.said + self._sharded_notes()
+
+    def _sharded_notes(self) -> tuple[str, ...]:
         sharded = any(len(getattr(a.sharding, "device_set", ())) > 1 for a in self.sig.avals)
         hidden = sharded and any(shardings_hidden(c.spec) for c in self.calls)
         return (HIDDEN_NOTE,) if hidden else ()
@@ -158,11 +193,26 @@ def tail(model: MemoryModel, temp: int, choice: tuple[int, ...] | None = None) -
 
 
 def _device_limit(sig: Signature) -> int | None:
-    """`bytes_limit` of the device the step's first argument lives on (None if not reported)."""
+    """`bytes_limit` of the device the step's first argument lives on (None if not reported, or
+    where the arguments are placed on an abstract mesh, inside an outer `jit`)."""
     sharding = next((a.sharding for a in sig.avals if getattr(a, "sharding", None) is not None), None)
-    device = min(sharding.device_set, key=lambda d: d.id) if sharding is not None else jax.devices()[0]
+    try:
+        device = min(sharding.device_set, key=lambda d: d.id) if sharding is not None else jax.devices()[0]
+    except ValueError:  # an AbstractMesh names no devices
+        return None
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return (stats or {}).get("bytes_limit")
+
+
+#: Plan notes where the step without remat did not fit the device (`StepTarget.reference`).
+REFERENCE_NOTE = ("the step without remat does not fit the device: the rest of the step (after the last block) "
+                  "was measured with {plan}")
+NO_REFERENCE_NOTE = ("neither the step without remat nor the model's lowest plans fit the device: the rest of the "
+                     "step (after the last block) is not measured, and the compiler alone judged the candidates")
+
+
+def _described(k: int) -> str:
+    return ("the model's lowest plan, its last block without remat", "the model's lowest plan")[k - 1]
 
 
 #: Share of the device's memory left to the allocator's fragmentation under `budget_mb="auto"`.
@@ -199,15 +249,6 @@ HIDDEN_NOTE = (
     "the step's arguments are sharded over several devices, but inside `jit` JAX hides the shardings "
     "of the module's values (a mesh with Auto axes): smartremat's predicted figures count one device "
     "doing all the work, while the compiled figures, which chose this plan, are per device")
-
-
-def _refused_everywhere(fun: Callable, refused: Refused) -> ValueError:
-    needed = f" ({describe(refused)})" if refused.needed else ""
-    return ValueError(
-        f"`smartremat.filter_jit(budget_mb=\"auto\")`: the step `{step_name(fun)}` does not fit the device under "
-        f"any remat plan smartremat tried: the compiler refused even its plan of lowest peak{needed}: "
-        f"{refused.message} Give `budget_mb` as a number to search every plan, lower the batch "
-        "size, shard the batch or the parameters over more devices, or keep the optimizer state off the device.")
 
 
 def _no_saving(floor: int, plain: int) -> tuple[str, ...]:

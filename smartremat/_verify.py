@@ -22,11 +22,11 @@ from ._env import environment_key
 from ._cost import floating_leaves
 from ._options import Assignment, run
 from ._profile import compiled_temp, mesh_context, n_module_leaves, split_diff
-from ._refused import Refused, kept, raised
+from ._refused import Refusal, kept, raised
 from ._spec import CallSpec, placed_sharding
 from ._tune import Timed
 
-_CACHE: KeyedCache[tuple[int, float] | Refused] = KeyedCache()
+_CACHE: KeyedCache[tuple[int, float] | Refusal] = KeyedCache()
 
 
 def _like(o: Any, shape: tuple, dtype: Any) -> jax.ShapeDtypeStruct:

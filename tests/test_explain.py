@@ -1,5 +1,6 @@
 """explain's table, the frontier (exact against brute force), plot, and SMARTREMAT_LOG."""
 
+import dataclasses
 import itertools
 import re
 import sys
@@ -71,6 +72,21 @@ def test_table_content(plan):
     overhead = 100 * plan.recompute_flops / plan.forward_flops
     assert f"{plan.recompute_flops / 1e9:.3f} GFLOP ({overhead:.1f}% of the forward)" in text
     assert f"{plan.planning_seconds:.2f} s on {plan.backend}" in text
+
+
+def test_kept_bytes_below_zero_are_shown_as_a_note_not_a_negative_figure(plan):
+    """A block whose gradient buffers hold later blocks' activations keeps "below zero" bytes in the
+    model (docs/facts.md, fact 12): the table shows 0.00 (no "-7.60" a reader takes for a bug), and
+    a note says how much those buffers hold."""
+    first = plan.blocks[0]
+    lending = dataclasses.replace(first, options=tuple(
+        dataclasses.replace(o, saved_bytes=-int(0.25 * MB)) if o.name == "nothing_saveable" else o
+        for o in first.options))
+    text = str(dataclasses.replace(plan, blocks=(lending, *plan.blocks[1:])))
+    table = text.split("\n\n")[0]
+    assert not re.search(r"\s-\d", table)
+    assert f"{first.path} {0.25 * first.calls:.2f} MB" in text and "(shown as 0.00 kept)" in text
+    assert "shown as 0.00" not in str(plan)  # no note where nothing is below zero
 
 
 def test_identical_consecutive_blocks_are_grouped():

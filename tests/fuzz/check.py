@@ -273,7 +273,7 @@ def _failure(e: Exception) -> Failed:
         return Failed("over budget", "the chip refused the planned step", _trace(e))
     if isinstance(e, ValueError) and "at least" in str(e):
         return Failed("unreachable", "a budget at or above the stated floor was refused", _trace(e))
-    if isinstance(e, ValueError) and "does not fit the device under any remat plan" in str(e):
+    if isinstance(e, ValueError) and "does not fit the device's memory under any remat plan" in str(e):
         return Failed("unreachable", "the chip holds the floor plan, but no plan fits it", _trace(e))
     return Failed("exception", _key(e), _trace(e))
 
