@@ -193,14 +193,18 @@ def tail(model: MemoryModel, temp: int, choice: tuple[int, ...] | None = None) -
 
 
 def _device_limit(sig: Signature) -> int | None:
-    """`bytes_limit` of the device the step's first argument lives on (None if not reported, or
-    where the arguments are placed on an abstract mesh, inside an outer `jit`)."""
+    """`bytes_limit` of this process's first device among those the step's first placed argument
+    lives on (None if not reported, or where the arguments are placed on an abstract mesh, inside
+    an outer `jit`). Only a device of this process reports its memory (`jax.distributed`)."""
     sharding = next((a.sharding for a in sig.avals if getattr(a, "sharding", None) is not None), None)
     try:
-        device = min(sharding.device_set, key=lambda d: d.id) if sharding is not None else jax.devices()[0]
+        devices = sharding.device_set if sharding is not None else set(jax.local_devices())
     except ValueError:  # an AbstractMesh names no devices
         return None
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    own = [d for d in devices if d.process_index == jax.process_index()]
+    if not own:
+        return None
+    stats = min(own, key=lambda d: d.id).memory_stats()
     return (stats or {}).get("bytes_limit")
 
 
