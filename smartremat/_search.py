@@ -57,6 +57,12 @@ class Unbuildable(RuntimeError):
 UNBUILT = (2**62, float("inf"))
 
 
+def is_compiled(figures: tuple[int, float]) -> bool:
+    """Whether a candidate's figures are the compiler's: not one that could not be built, nor one
+    the device refused for memory (both have infinite FLOPs)."""
+    return math.isfinite(figures[1])
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What the search found: the chosen candidate and the candidates it compiled."""
@@ -133,9 +139,11 @@ class CandidateFigures:
         for c in sorted(self.figures, key=lambda c: self.figures[c][0]):
             if self.figures[c][0] >= best:
                 break
-            if math.isfinite(self.figures[c][1]):
-                temp = self.exact(c)
-                best = min(best, temp) if math.isfinite(self.figures[c][1]) else best
+            if not is_compiled(self.figures[c]):
+                continue
+            temp = self.exact(c)  # under every loss: it may be refused there (its FLOPs become inf)
+            if is_compiled(self.figures[c]):
+                best = min(best, temp)
         return best
 
 
@@ -196,7 +204,7 @@ def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimat
             return batch
         best = _best(compiled, budget, rank)
         if best is None:
-            built = [c for c in figures if math.isfinite(figures[c][1])]  # not unbuilt, not refused
+            built = [c for c in figures if is_compiled(figures[c])]
             if not built:
                 return batch
             best = max(built, key=lambda c: rank(c, figures[c][1]))
@@ -283,7 +291,7 @@ def _bracket(points: Sequence[Choice], predicted: Sequence[float], compiled: Can
 def _ratios(points: Sequence[Choice], predicted: Sequence[float], figures: dict) -> dict[int, float]:
     """`{index: compiled over predicted bytes}` of each frontier point compiled so far."""
     return {i: figures[p][0] / max(q, 1) for i, (p, q) in enumerate(zip(points, predicted))
-            if p in figures and math.isfinite(figures[p][1])}  # not unbuilt, not refused for memory
+            if p in figures and is_compiled(figures[p])}
 
 
 def _known_bracket(points: Sequence[Choice], figures: dict, budget: int) -> tuple[int, int]:

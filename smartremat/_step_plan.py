@@ -83,17 +83,14 @@ class StepTarget:
         """The step's figures without a compiled program (every reference refused): its arguments
         and outputs from the recorded jaxpr, a donated argument aliased to an output of its type
         (as XLA does), no code; the temp bytes unknown (0)."""
-        outs = [(tuple(v.shape), str(v.dtype), aval_bytes(v)) for v in self.jaxpr.out_avals]
+        outs = [(tuple(v.shape), str(v.dtype)) for v in self.jaxpr.out_avals]
         alias = 0
-        for i in self.sig.donated(self.options.donate):
-            a = self.sig.avals[i]
-            match = next((o for o in outs if o[:2] == (tuple(a.shape), str(a.dtype))), None)
-            if match is not None:
-                outs.remove(match)
-                alias += match[2]
-        arguments = sum(aval_bytes(a) for a in self.sig.avals)
+        for a in (self.sig.avals[i] for i in self.sig.donated(self.options.donate)):
+            if (tuple(a.shape), str(a.dtype)) in outs:  # each output takes one donated buffer
+                outs.remove((tuple(a.shape), str(a.dtype)))
+                alias += aval_bytes(a)
         outputs = sum(aval_bytes(v) for v in self.jaxpr.out_avals)
-        return StepFigures(0, 0.0, arguments, outputs, alias, 0)
+        return StepFigures(0, 0.0, sum(aval_bytes(a) for a in self.sig.avals), outputs, alias, 0)
 
     def reference(self, model: MemoryModel) -> tuple[StepFigures, tuple[int, ...]]:
         """`(figures, choice)` of a compiled step to refine the model on: the step without remat;
@@ -104,18 +101,19 @@ class StepTarget:
         lowest choice is not always the compiler's (a user's own checkpoints, a `cond`), so the
         search goes on with the model unrefined (and `budget_mb="auto"` on `abstract_figures`)."""
         lowest = min_peak(model.stages).choice
-        choices = [(0,) * len(lowest), (*lowest[:-1], 0)]
+        plain = (0,) * len(lowest)
+        choices = {plain: "", (*lowest[:-1], 0): "the model's lowest plan, its last block without remat"}
         if peak_at(model.stages, lowest)[1] == len(lowest) - 1:  # else the tail does not set its peak
-            choices.append(lowest)
+            choices.setdefault(lowest, "the model's lowest plan")
         refused = Refused(None, "no reference step")
-        for k, choice in enumerate(dict.fromkeys(choices)):
+        for choice, described in choices.items():
             try:
                 figures = self.figures(model, choice)
             except (Refused, Unbuildable) as e:  # a split scan may not build
                 refused = e if isinstance(e, Refused) else refused
                 continue
-            if k:
-                self.said = (REFERENCE_NOTE.format(plan=_described(k)),)
+            if choice != plain:
+                self.said = (REFERENCE_NOTE.format(plan=described),)
             return figures, choice
         raise refused
 
@@ -214,9 +212,6 @@ REFERENCE_NOTE = ("the step without remat does not fit the device: the rest of t
 NO_REFERENCE_NOTE = ("neither the step without remat nor the model's lowest plans fit the device: the rest of the "
                      "step (after the last block) is not measured, and the compiler alone judged the candidates")
 
-
-def _described(k: int) -> str:
-    return ("the model's lowest plan, its last block without remat", "the model's lowest plan")[k - 1]
 
 
 #: Share of the device's memory left to the allocator's fragmentation under `budget_mb="auto"`.

@@ -15,7 +15,10 @@ import pytest
 
 import smartremat
 from smartremat import MB
+from smartremat._memory import Stage, peak_of
+from smartremat._model import MemoryModel
 from smartremat._refused import Refused, compile_or_refuse, needed_bytes, refusal
+from smartremat._step_plan import tail
 
 from tests.helpers import FULL, tree_allclose
 from tests.models import ScannedTransformer, Transformer
@@ -169,6 +172,19 @@ def test_a_refused_step_is_compiled_once():
     with simulated_chip(int(_total(m) - 0.4 * m.temp_size_in_bytes)) as chip, pytest.raises(ValueError):
         smartremat.filter_jit(step, budget_mb=0.01, donate="all").plan(*args)
     assert sum(plain in r for r in chip.refused) == 1
+
+
+@pytest.mark.parametrize("reference", [(0, 0, 0), (2, 2, 0), (2, 2, 2)])
+def test_the_tail_is_measured_on_any_reference_plan(reference):
+    """`tail(model, temp, choice)`: where the rest of the step sets the reference's peak, the
+    refined model predicts that reference at its compiled temp bytes, whichever plan it is (the
+    step without remat, or the lowest plans tried where the device refuses it)."""
+    stages = tuple(Stage(saved=(100, 40, 5), peak=(150, 90, 60), cost=(0, 10, 30), group=g) for g in range(3))
+    model = MemoryModel((), (), stages, 7, (0, 1, 2), ())
+    temp = peak_of(stages, reference) + 7 + 500  # a rest of the step larger than any block's own peak
+    refined = tail(model, temp, reference)
+    assert peak_of(refined.stages, reference) + refined.fixed_bytes == temp
+    assert refined.stages[:2] == stages[:2]  # only the last stage's own peak is raised
 
 
 @pytest.mark.parametrize("message, needed", [
