@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class Stage:
-    """One block call: per option, bytes kept, own peak, and recompute cost.
+    """One block call: per option, bytes kept, own peak, and recompute cost (FLOPs).
 
     Stages with the same `group` are calls of the same block and must take the same option.
     Consecutive stages with the same `run` are the iterations of one `jax.lax.scan`: their
@@ -28,6 +29,9 @@ class Stage:
     one option each (each piece becomes its own scan). A split run's pieces read copies of
     their slices of the scanned operands (the stacked parameters), `split_extra` bytes per
     iteration kept from the piece's forward to its backward; a whole run copies nothing.
+
+    `kept_charge` is what the objective charges per byte kept, in FLOPs (`_objective`): the
+    solver minimises `objective`, each option's recompute FLOPs plus that charge for its kept bytes.
     """
 
     saved: tuple[int, ...]
@@ -37,6 +41,15 @@ class Stage:
     run: int | None = None
     segments: int = 1
     split_extra: int = 0
+    kept_charge: float = 0.0
+
+    @functools.cached_property
+    def objective(self) -> tuple[int, ...]:
+        """Per option, what the solver minimises: recompute FLOPs plus `kept_charge` per byte
+        kept (kept bytes below zero, lent by gradient buffers, are charged nothing)."""
+        if not self.kept_charge:
+            return self.cost
+        return tuple(c + min(round(self.kept_charge * max(s, 0)), _MOST) for c, s in zip(self.cost, self.saved))
 
     def __post_init__(self) -> None:
         if not (len(self.saved) == len(self.peak) == len(self.cost) > 0):
@@ -76,8 +89,19 @@ def peak_at(stages: Sequence[Stage], choice: Sequence[int]) -> tuple[int, int, i
     return worst, at, prior
 
 
+#: The largest charge for one option's kept bytes: an option the solver rules out keeps an
+#: absurd number of bytes, whose charge must still add up without overflowing 64 bits.
+_MOST = 2**52
+
+
 def cost_of(stages: Sequence[Stage], choice: Sequence[int]) -> int:
+    """The FLOPs `choice` recomputes."""
     return sum(st.cost[c] for st, c in zip(stages, choice, strict=True))
+
+
+def objective_of(stages: Sequence[Stage], choice: Sequence[int]) -> int:
+    """What the solver minimises for `choice`: `cost_of` plus the charge for the bytes it keeps."""
+    return sum(st.objective[c] for st, c in zip(stages, choice, strict=True))
 
 
 def segments_of(stages: Sequence[Stage], choice: Sequence[int]) -> dict[int, int]:

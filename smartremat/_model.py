@@ -14,6 +14,7 @@ from typing import Any
 from ._discover import BlockCall, call_module, discover, expanded
 from ._memory import Stage, raised
 from ._nested import nested_options
+from ._objective import device_charge
 from ._options import NO_REMAT, Entry, Option, Segments, expand, run
 from ._paths import Path, path_str
 from ._plan import Plan
@@ -108,16 +109,17 @@ def build_model(call: Callable, spec: CallSpec, module: Any, config: Config,
     profiles = tuple(profiles)
     menus = _available(calls, profiles, menus)
     groups = {p: i for i, p in enumerate(dict.fromkeys(c.path for c in calls))}
+    charge = device_charge()
     stages, owner = [], []
     for ci, (c, prof) in enumerate(zip(calls, profiles)):
         opts = [_option_of(prof, pol) for pol in menus[ci]]
         if c.scan is None:
-            stages.append(Stage(*stage_figures(opts, scanned=False), groups[c.path]))
+            stages.append(Stage(*stage_figures(opts, scanned=False), groups[c.path], kept_charge=charge.unrolled))
             owner.append(ci)
             continue
         for _ in range(c.scan.length):  # each iteration its own group, pieces limited per run
             stages.append(Stage(*stage_figures(opts, scanned=True), len(groups) + len(stages), c.scan.eqn,
-                                config.scan_segments, c.scan.xs_bytes))
+                                config.scan_segments, c.scan.xs_bytes, charge.scanned))
             owner.append(ci)
     fixed = _fixed_bytes(call, spec, calls, profiles, config)
     return MemoryModel(calls, profiles, tuple(stages), fixed, tuple(owner), menus)

@@ -116,14 +116,16 @@ class Plan:
 
         `(peak_mb, recompute_flops)` pairs sorted by peak: each is an optimal plan's predicted
         figures, computed by the same solver that chose this plan. A budget between two peaks
-        buys the recompute of the lower one.
+        buys the recompute of the lower one. On an accelerator "optimal" weighs the bytes a plan
+        keeps as well as its FLOPs (docs/how-it-works.md, "The objective"), so a point of higher
+        peak can recompute more.
         """
         if not self.stages:
             raise ValueError(
                 "This plan was loaded from JSON (`smartremat.load_plan`) without the profile the frontier needs "
                 "(its 'stages': a file written before `Plan.save` kept them). Call `smartremat.explain(model, *args)` "
                 "to plan again and get the frontier, and save that plan.")
-        return [((s.peak + self.fixed_bytes) / MB, s.cost) for s in frontier(self.stages)]
+        return [((s.peak + self.fixed_bytes) / MB, cost_of(self.stages, s.choice)) for s in frontier(self.stages)]
 
     def uniform(self) -> dict[str, tuple[float, int]]:
         """`{policy name: (predicted peak_mb, recompute_flops)}` of each policy on every block

@@ -25,7 +25,7 @@ from ._cache import KeyedCache
 from ._key import PlanKey
 from ._env import CPU_NOTE, MB, cpu_barrier_missing
 from ._jax_private import carrying_config
-from ._memory import cost_of, peak_at, peak_of
+from ._memory import cost_of, objective_of, peak_at, peak_of
 from ._model import Config, MemoryModel, assignment_of, choices_of, full_remat, stage_figures, uniform, unplanned
 from ._paths import path_str
 from ._plan import Plan, PlanBlock, PolicyFigures
@@ -141,7 +141,8 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
     above `_MAX_FRONTIER_STAGES` stages, where enumerating it is too slow, only the lowest-peak
     choice `lowest` and the model's choice `sol`) and the uniform plans the model does not rule
     out (`_search`). "Cheapest" is the fewest compiled FLOPs, or the model's FLOPs when a block
-    is scanned (XLA's cost analysis counts a loop body once, docs/facts.md fact 7).
+    is scanned (XLA's cost analysis counts a loop body once, docs/facts.md fact 7), plus on an
+    accelerator the model's charge for the bytes the plan keeps (`_objective`, fact 22).
 
     With `tune=True`, the fitting candidates of `_tune.pool` are timed by it, and the
     one of the lowest median time replaces that choice (`_fastest`, `_tune.tuned`).
@@ -153,14 +154,14 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
     points = spread(front, MAX_CANDIDATES)
     looped = any(st.run is not None for st in stages)
 
-    def rank(choice: tuple[int, ...], flops: float) -> float:
-        return cost_of(stages, choice) if looped else flops
+    def rank(choice: tuple[int, ...], flops: float) -> float:  # the compiled FLOPs, charged for kept bytes
+        return objective_of(stages, choice) + (0 if looped else flops - cost_of(stages, choice))
 
     def peak(choice: tuple[int, ...]) -> float:
         return peak_of(stages, choice) + model.fixed_bytes
 
     def flops(choice: tuple[int, ...]) -> float:
-        return cost_of(stages, choice)
+        return objective_of(stages, choice)
 
     uniforms = list(dict.fromkeys(uniform(model, p) for p in config.policies))
 
@@ -174,7 +175,7 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
                  error, progress, confirm)
     if config.tune:
         out = _fastest(out, [p.choice for p in points], uniforms, config, measure, confirm, time_of, peak, progress)
-    return Solution(out.choice, peak_of(stages, out.choice), cost_of(stages, out.choice)), out
+    return Solution(out.choice, peak_of(stages, out.choice), objective_of(stages, out.choice)), out
 
 
 #: Said after an infeasible budget's error when the device refused candidates for memory.
@@ -288,7 +289,7 @@ def assemble(model: MemoryModel, config: Config, sol: Solution, lowest: Solution
         no_remat_peak_bytes=peak_of(stages, (0,) * len(stages)) + fixed,
         full_remat_peak_bytes=peak_of(stages, uniform(model, full_remat(config.policies))) + fixed,
         min_peak_bytes=lowest.peak + fixed,
-        recompute_flops=sol.cost,
+        recompute_flops=cost_of(stages, sol.choice),
         forward_flops=sum(p.forward.flops * (c.scan.length if c.scan else 1)
                           for c, p in zip(model.calls, model.profiles)),
         blocks=_blocks(model, config, sol.choice),

@@ -13,8 +13,9 @@ after XLA's fusion a uniform policy can take fewer FLOPs than the model says, by
 step on the quick benchmark models: docs/facts.md, fact 9). A frontier point compiled alone has
 beside it a uniform plan the search would likely compile later (`spare`).
 
-The fitting candidate of fewest compiled FLOPs wins (the model's FLOPs when a block is scanned: XLA
-counts a loop body once); ties (within `TIE_MARGIN`, no costlier than a fitting uniform plan) go to
+The fitting candidate of lowest rank wins: its compiled FLOPs (the model's FLOPs when a block is
+scanned: XLA counts a loop body once), plus on an accelerator the model's charge for the bytes it
+keeps (`_objective`); ties (within `TIE_MARGIN`, no costlier than a fitting uniform plan) go to
 the fewest temp bytes. Which candidates are compiled depends only on the budget and the signature.
 Under several losses, candidates are compiled under the first (a lower bound of the largest temp),
 and under every loss only when about to be chosen or when one may set the floor an error states.

@@ -1,4 +1,5 @@
-"""Exact minimum-recompute choice under the order-aware peak, and the whole frontier.
+"""Exact cheapest choice under the order-aware peak, and the whole frontier. "Cheapest" is the
+stages' `objective`: recompute FLOPs, plus on an accelerator a charge per byte kept (`_objective`).
 
 `solve` is a dynamic programme over stages in call order whose state is the bytes kept so far;
 states dominated in (kept bytes, cost) are dropped, which loses nothing because every later
@@ -20,13 +21,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._memory import Stage, cost_of, peak_of
+from ._memory import Stage, objective_of, peak_of
 
 _MAX_TIED_COMBOS = 4096
 
 
 @dataclass(frozen=True)
 class Solution:
+    """A choice (one option per stage), its modelled peak, and its cost by the stages' objective."""
+
     choice: tuple[int, ...]
     peak: int
     cost: int
@@ -76,7 +79,7 @@ def _solve_free(stages: Sequence[Stage], limit: int, cap: int | None = None) -> 
         state = (k[keep], c[keep], pv[keep], sg[keep], md[keep])
         back.append((p[keep], op[keep]))
     choice = _traced_back(back, int(np.argmin(state[1])))
-    return Solution(choice, peak_of(stages, choice), cost_of(stages, choice))
+    return Solution(choice, peak_of(stages, choice), objective_of(stages, choice))
 
 
 def _traced_back(back: list[tuple[np.ndarray, np.ndarray]], i: int) -> tuple[int, ...]:
@@ -99,7 +102,7 @@ def _expand(st: Stage, o: int, state: tuple, cont: bool, start_mode: int, limit:
     extra = st.split_extra * mode
     feasible = (kept + st.peak[o] + extra <= limit) & (st.peak[o] < _FORBIDDEN)
     if cap is not None:
-        feasible &= cost + st.cost[o] <= cap
+        feasible &= cost + st.objective[o] <= cap
     if st.run is None:
         new_segs = np.zeros_like(segs)
     else:
@@ -107,7 +110,7 @@ def _expand(st: Stage, o: int, state: tuple, cont: bool, start_mode: int, limit:
         feasible &= new_segs <= np.where(mode == 1, st.segments, 1)
     ok = np.nonzero(feasible)[0]
     new_prev = np.full(len(ok), o if st.run is not None else -1, np.int64)
-    return (kept[ok] + st.saved[o] + extra[ok], cost[ok] + st.cost[o], ok, np.full(len(ok), o, np.int64),
+    return (kept[ok] + st.saved[o] + extra[ok], cost[ok] + st.objective[o], ok, np.full(len(ok), o, np.int64),
             new_prev, new_segs[ok], mode[ok])
 
 
@@ -226,7 +229,7 @@ def _frontier_free(stages: Sequence[Stage]) -> list[Solution]:
         options = [o for o in range(len(st.saved)) if st.peak[o] < _FORBIDDEN]
         k = np.concatenate([kept + st.saved[o] for o in options])
         w = np.concatenate([np.maximum(worst, kept + st.peak[o]) for o in options])
-        c = np.concatenate([cost + st.cost[o] for o in options])
+        c = np.concatenate([cost + st.objective[o] for o in options])
         parent = np.tile(np.arange(len(kept)), len(options))
         option = np.repeat(np.array(options, np.int64), len(kept))
         keep = _undominated(k, w, c)

@@ -9,7 +9,8 @@ raises when
 the program's temporaries exceed the chip, or its temporaries, arguments and outputs together do:
 a `jax.errors.JaxRuntimeError` worded as XLA:TPU words it (sizes as XLA prints them, `19.40G`).
 And every device reports `memory_stats()["bytes_limit"] == hbm`, as a TPU does, for
-`budget_mb="auto"`. Nothing of smartremat is patched: it meets the chip through JAX alone; its
+`budget_mb="auto"`, and `device_kind == kind` (a TPU v5e's by default), which sets what smartremat's
+objective charges for kept bytes (`smartremat/_objective.py`). Nothing of smartremat is patched: it meets the chip through JAX alone; its
 caches are cleared on entry and on exit (figures kept there are of another device).
 """
 
@@ -60,13 +61,15 @@ class Chip:
 
 
 @contextlib.contextmanager
-def simulated_chip(hbm: int, refuses: bool = True) -> Iterator[Chip]:
+def simulated_chip(hbm: int, refuses: bool = True, kind: str = "TPU v5 lite") -> Iterator[Chip]:
     """Inside: every device has `hbm` bytes, and every compile above them is refused (see above);
     with `refuses=False`, compiled (as XLA:GPU compiles a program larger than the device, logging
-    that it cannot reduce memory below the limit) and only recorded in `Chip.refused`.
-    Process-wide (smartremat compiles in worker threads); not re-entrant."""
+    that it cannot reduce memory below the limit) and only recorded in `Chip.refused`. Every
+    device's `device_kind` is `kind`. Process-wide (smartremat compiles in worker threads); not
+    re-entrant."""
     lowered_cls, device_cls = jax.stages.Lowered, type(jax.devices()[0])
     compile_before, stats_before = lowered_cls.compile, device_cls.memory_stats
+    kind_before = device_cls.__dict__["device_kind"]
     chip = Chip(hbm)
 
     def compile(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -86,8 +89,10 @@ def simulated_chip(hbm: int, refuses: bool = True) -> Iterator[Chip]:
 
     smartremat.clear_caches()
     lowered_cls.compile, device_cls.memory_stats = compile, memory_stats
+    device_cls.device_kind = property(lambda self: kind)
     try:
         yield chip
     finally:
         lowered_cls.compile, device_cls.memory_stats = compile_before, stats_before
+        device_cls.device_kind = kind_before
         smartremat.clear_caches()

@@ -4,7 +4,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from smartremat._memory import Stage, cost_of, peak_of, segments_of
+from smartremat._memory import Stage, cost_of, objective_of, peak_of, segments_of
 from smartremat._solve import Solution, frontier, frontier_by_solving, min_peak, solve
 
 
@@ -25,10 +25,14 @@ def brute_force(stages, limit):
         pk = peak_of(stages, choice)
         if pk > limit:
             continue
-        sol = Solution(choice, pk, cost_of(stages, choice))
+        sol = Solution(choice, pk, objective_of(stages, choice))
         if best is None or (sol.cost, sol.peak) < (best.cost, best.peak):
             best = sol
     return best
+
+
+#: What the objective charges per kept byte: nothing (the CPU), or as much as a few FLOPs (an accelerator).
+CHARGES = st.sampled_from([0.0, 0.3, 2.5])
 
 
 @st.composite
@@ -37,8 +41,10 @@ def instances(draw):
     m = draw(st.integers(1, 4))
     ints = lambda lo, hi: st.tuples(*[st.integers(lo, hi)] * m)
     groups = draw(st.lists(st.integers(0, n + 1), min_size=n, max_size=n))
+    charge = draw(CHARGES)
     # kept bytes below zero: a block lending its gradient buffers to later blocks (facts.md, fact 12)
-    stages = [Stage(draw(ints(-30, 50)), draw(ints(0, 100)), draw(ints(0, 20)), g) for g in groups]
+    stages = [Stage(draw(ints(-30, 50)), draw(ints(0, 100)), draw(ints(0, 20)), g, kept_charge=charge)
+              for g in groups]
     return stages, draw(st.integers(0, 500))
 
 
@@ -49,11 +55,12 @@ def scanned_instances(draw):
     m = draw(st.integers(2, 3))
     ints = lambda hi: st.tuples(*[st.integers(0, hi)] * m)
     segments = draw(st.integers(1, 3))
-    stage = lambda g, run: Stage(draw(ints(50)), draw(ints(100)), draw(ints(20)), g, run, segments)
+    charge = draw(CHARGES)
+    stage = lambda g, run: Stage(draw(ints(50)), draw(ints(100)), draw(ints(20)), g, run, segments, 0, charge)
     run = stage(0, 7)  # iterations of a scan share their figures
     extra = draw(st.integers(0, 30))  # bytes a split run's pieces copy per iteration
     stages = [stage(10 + i, None) for i in range(before)]
-    stages += [Stage(run.saved, run.peak, run.cost, 20 + i, 7, segments, extra) for i in range(length)]
+    stages += [Stage(run.saved, run.peak, run.cost, 20 + i, 7, segments, extra, charge) for i in range(length)]
     stages += [stage(30 + i, None) for i in range(after)]
     return stages, draw(st.integers(0, 600))
 
@@ -93,7 +100,7 @@ def test_solver_matches_brute_force(inst):
 @given(instances())
 def test_frontier_and_min_peak_are_exact(inst):
     stages, _ = inst
-    every = [(peak_of(stages, c), sum(s.cost[o] for s, o in zip(stages, c)))
+    every = [(peak_of(stages, c), objective_of(stages, c))
              for c in itertools.product(*[range(len(s.saved)) for s in stages])
              if all(stages[i].group != stages[j].group or c[i] == c[j]
                     for i in range(len(c)) for j in range(i))]
@@ -101,7 +108,7 @@ def test_frontier_and_min_peak_are_exact(inst):
     # in one pass, and by solving once per point (the way stages with scan runs take)
     for found in (frontier(stages), frontier_by_solving(stages)):
         assert [(s.peak, s.cost) for s in found] == pareto
-        assert all((peak_of(stages, s.choice), sum(st.cost[o] for st, o in zip(stages, s.choice))) == (s.peak, s.cost)
+        assert all((peak_of(stages, s.choice), objective_of(stages, s.choice)) == (s.peak, s.cost)
                    for s in found)
     # ties on (peak, cost) compile differently: the one-pass frontier picks the choices solving does
     assert [s.choice for s in frontier(stages)] == [s.choice for s in frontier_by_solving(stages)]
@@ -146,3 +153,17 @@ def test_splitting_a_scan_pays_for_its_copies():
     dear = [Stage((10, 1), (20, 11), (0, 5), i, 0, 2, 3) for i in range(6)]
     assert solve(free, 40).choice == (1, 1, 1, 1, 0, 0)
     assert solve(dear, 40).choice == (1,) * 6 and peak_of(dear, (1, 1, 1, 1, 0, 0)) > 40
+
+
+def test_kept_bytes_charged_can_make_recompute_the_cheapest():
+    """With a charge per kept byte (an accelerator's objective), recomputing is chosen under a
+    budget that fits keeping everything, where FLOPs alone keep everything; the charge counts kept
+    bytes above zero only, and the FLOPs stay the FLOPs."""
+    free = [Stage(saved=(100, 10), peak=(150, 60), cost=(0, 500), group=i) for i in range(3)]
+    charged = [Stage(saved=(100, 10), peak=(150, 60), cost=(0, 500), group=i, kept_charge=10.0) for i in range(3)]
+    assert solve(free, 10**6).choice == (0, 0, 0)
+    assert charged[0].objective == (1000, 600)
+    sol = solve(charged, 10**6)
+    assert sol.choice == (1, 1, 1) and sol.cost == 1800 and cost_of(charged, sol.choice) == 1500
+    lent = Stage(saved=(-40, 10), peak=(150, 60), cost=(0, 500), group=0, kept_charge=10.0)
+    assert lent.objective == (0, 600)
