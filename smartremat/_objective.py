@@ -1,21 +1,26 @@
-"""What a plan costs the step's time: the FLOPs it recomputes and, on an accelerator, the bytes it
-keeps (docs/facts.md, fact 22). A leaf: it imports nothing from the package.
+"""What a plan costs the step's time: the FLOPs it recomputes and, in a scan on an accelerator,
+the bytes it keeps (docs/facts.md, fact 22). A leaf: it imports nothing from the package.
 
-On a TPU v5e keeping a byte for the backward costs time as well as memory, and inside a
-`jax.lax.scan` several times more than outside one: each iteration's residuals are copied into
-the stacked buffers the backward reads (`python studies/pressure.py`, GPT-2-medium shape, batch
-8). Moving one scan iteration from `dots_with_no_batch_dims_saveable` to `dots_saveable` kept
-272 MB more and recomputed 34 GFLOP less, and added 1.4 ms; full remat against
-`dots_with_no_batch_dims_saveable` kept 128 MB (bfloat16) or 256 MB (float32) less per iteration
-and recomputed about 206 GFLOP more, and was 0.35 ms slower per iteration in bfloat16 and 0.65 ms
-faster in float32. Those three figures agree on 6.0-7.5 ms per GB kept against recomputing at
-163 TFLOP/s: about 1,100 FLOPs per byte in a scan, 4.6 times the chip's ridge point (its peak
-FLOP/s over its memory bandwidth, 240). Outside a scan (the same model unrolled, float32), no
-remat on 3 blocks instead of `dots_with_no_batch_dims_saveable` kept 1.54 GB more for 106 GFLOP
-less and took 2.0 ms more: about 280 FLOPs per byte, 1.15 times the ridge. No pressure effect was
-seen: the same program with 3-7 GB of the chip taken by an extra argument ran within 0.3%.
+On a TPU v5e, keeping a byte for the backward inside a `jax.lax.scan` costs time: each iteration's
+residuals are copied into the stacked buffers the backward reads (`python studies/pressure.py`,
+the accelerator check's GPT-2-medium shape, scanned, batch 8). Per iteration, by smartremat's own
+figures for the block, full remat recomputes 172.8 GFLOP and keeps 16.8 MB (bfloat16),
+`dots_with_no_batch_dims_saveable` 35.4 GFLOP and 151 MB, `dots_saveable` 1.2 GFLOP and 436 MB
+(float32 keeps twice the bytes). Measured per iteration: full remat 0.35 ms slower than
+`dots_with_no_batch_dims_saveable` in bfloat16 and 0.65 ms faster in float32, `dots_saveable`
+1.41 ms slower in bfloat16. The first two give 7.45 ms per GB kept against 102 TFLOP/s
+recomputed, 760 FLOPs per byte (the third then predicts 1.79 ms); a charge between 512 and 1024
+FLOPs per byte orders all three as timed. It is 3 ridge points here (the chip's peak FLOP/s over
+its memory bandwidth, 240 FLOPs per byte). The same step with 3-7 GB of the chip taken by an extra
+argument ran within 0.3%: the cost is the bytes, not the pressure.
 
-Other accelerators are charged the same multiples of their own ridge point (their peak dense
+Outside a scan a kept byte is charged nothing. The unrolled model at batch 4 (float32) stepped in
+185.5 ms without remat, 218.4 ms under `dots_with_no_batch_dims_saveable` and 225.2 ms under full
+remat, though no remat keeps 268 MB more per block than the second (half its batch-8 figures)
+for 17.7 GFLOP less: any charge above 66 FLOPs per byte would have chosen the slower plan. An H200
+stepped alike with and without remat of the dots (fact 5).
+
+Other accelerators are charged the same multiple of their own ridge point (their peak dense
 FLOP/s over their memory bandwidth, from the vendors' figures; one not listed is taken to be a
 v5e). On the CPU kept bytes are not charged: no static cost ranked the step times of remat plans
 there (fact 17), and the plans of the CPU benchmark stay those of fewest FLOPs.
@@ -27,7 +32,8 @@ from dataclasses import dataclass
 
 import jax
 
-#: Measured on a TPU v5e (module docstring): FLOPs a kept byte costs, as multiples of the ridge point.
+#: Measured on a TPU v5e (module docstring): FLOPs a kept byte costs, as multiples of the ridge point,
+#: outside a scan and in a scan's body.
 UNROLLED_RIDGES = 0.0
 SCANNED_RIDGES = 3.0
 

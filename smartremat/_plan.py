@@ -117,7 +117,7 @@ class Plan:
         `(peak_mb, recompute_flops)` pairs sorted by peak: each is an optimal plan's predicted
         figures, computed by the same solver that chose this plan. A budget between two peaks
         buys the recompute of the lower one. On an accelerator "optimal" weighs the bytes a plan
-        keeps as well as its FLOPs (docs/how-it-works.md, "The objective"), so a point of higher
+        keeps in a scan as well as its FLOPs (docs/how-it-works.md, step 4), so a point of higher
         peak can recompute more.
         """
         if not self.stages:
