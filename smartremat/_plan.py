@@ -62,7 +62,8 @@ class Plan:
     `compiled_flops` the compiler's, when the plan was verified; `compiles` counts the whole-step
     compiles verification asked for (candidates times losses; those cached in this process cost
     nothing); `checked` holds, per candidate compiled, the predicted peak and the compiled temp
-    bytes (the largest over the losses it was compiled under); `timed` (with `tune=True`), per
+    bytes (the largest over the losses it was compiled under; a candidate the device refused is
+    left out, and counted in `notes`); `timed` (with `tune=True`), per
     fitting candidate run, its compiled temp bytes, compiled FLOPs and median seconds per step,
     the fewest-FLOPs candidate first.
     """

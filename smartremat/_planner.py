@@ -30,7 +30,7 @@ from ._model import Config, MemoryModel, assignment_of, choices_of, full_remat, 
 from ._paths import path_str
 from ._plan import Plan, PlanBlock, PolicyFigures
 from ._refused import Refused, over_budget
-from ._search import MAX_CANDIDATES, CandidateFigures, Estimates, Outcome, search, spread
+from ._search import MAX_CANDIDATES, CandidateFigures, Estimates, Outcome, checked_pair, search, spread
 from ._solve import Solution, frontier, min_peak, solve
 from ._share import shared, timing_together
 from ._tune import Timed, pool, timings, tuned
@@ -249,8 +249,8 @@ def _fastest(out: Outcome, points: list, uniforms: list, config: Config, measure
                       stacklevel=2)
         return out
     checked = dict(zip(out.measured, out.checked))
-    for c, (t, _) in compiled.figures.items():
-        checked.setdefault(c, (int(peak(c)), t))
+    for c, figures in compiled.figures.items():
+        checked.setdefault(c, checked_pair(peak(c), figures))
     return Outcome(choice, compiled.figures[choice], tuple(checked),
                    tuple(dict.fromkeys([*out.confirmed, *compiled.confirmed])),  # each once: the choice is in both
                    tuple(checked.values()), timed, out.skipped + compiled.skipped)
@@ -298,10 +298,11 @@ def assemble(model: MemoryModel, config: Config, sol: Solution, lowest: Solution
         fixed_bytes=fixed,
         planning_seconds=seconds,
         compiles=0 if outcome is None else len(outcome.measured) + len(outcome.confirmed) * (target.losses(config) - 1),
-        checked=() if outcome is None else outcome.checked,
+        checked=() if outcome is None else tuple(pair for pair in outcome.checked if pair is not None),
         timed=() if outcome is None else outcome.timed,
         backend=jax.default_backend(),
-        notes=tuple(_notes(model, sol)) + _skipped_note(outcome) + unplanned(model) + target.notes(model),
+        notes=tuple(_notes(model, sol)) + _skipped_note(outcome) + _refused_note(outcome) + unplanned(model)
+        + target.notes(model),
         assignment=assignment_of(model, sol.choice),
         stages=stages,
         menu=tuple(p.name for p in config.policies),
@@ -314,6 +315,14 @@ def _skipped_note(outcome: Outcome | None) -> tuple[str, ...]:
         return ()
     return (f"{outcome.skipped} candidate plan(s) could not be built (a scan split into pieces whose "
             "operands differ between policies) and were skipped",)
+
+
+def _refused_note(outcome: Outcome | None) -> tuple[str, ...]:
+    refused = 0 if outcome is None else sum(pair is None for pair in outcome.checked)
+    if not refused:
+        return ()
+    return (f"{refused} candidate plan(s) did not fit the device's memory (its compiler refused them, or they "
+            "compiled to more than it holds)",)
 
 
 def _notes(model: MemoryModel, sol: Solution) -> list[str]:

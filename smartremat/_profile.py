@@ -168,12 +168,20 @@ def compiled_temp(fn: Callable, avals: Sequence[Any], options: dict | None = Non
     return int(memory.temp_size_in_bytes), float((cost or {}).get("flops", 0.0))
 
 
-def compiled_temps(jobs: Sequence[tuple[Callable, tuple]]) -> list[int]:
+def compiled_temps(jobs: Sequence[tuple[Callable, tuple]]) -> list[int | None]:
     """`compiled_temp` of each `(function, avals)` job, compiled in parallel threads with the
-    options for block profiles (`_env.profiling_options`)."""
+    options for block profiles (`_env.profiling_options`); `None` for a job the device refuses
+    for memory (its figures are left to the jaxpr's counts, option by option)."""
     options = profiling_options()
+
+    def temp(job: tuple[Callable, tuple]) -> int | None:
+        try:
+            return compiled_temp(job[0], job[1], options)[0]
+        except Refused:
+            return None
+
     with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
-        return [t for t, _ in pool.map(carrying_config(lambda job: compiled_temp(job[0], job[1], options)), jobs)]
+        return list(pool.map(carrying_config(temp), jobs))
 
 
 def chainable(f: Callable, spec: CallSpec, n_module: int) -> int | None:
@@ -217,12 +225,9 @@ def _at_the_end(profile: BlockProfile, spec: CallSpec, call: Callable) -> BlockP
     if not any(o.peak_bytes for o in profile.options):  # left alone: nothing measured
         return profile
     steps = [grad_step(o.option.profiled(spec, call), spec.dynamic, _square_loss) for o in profile.options]
-    try:
-        temps = compiled_temps([(step, spec.dynamic) for step in steps])
-    except Refused:  # the block alone does not fit the device: its profiled peaks stand
-        return profile
+    temps = compiled_temps([(step, spec.dynamic) for step in steps])  # None: refused, the profiled peak stands
     peaks = raised_peaks([o.saved_bytes for o in profile.options], [max(o.peak_bytes, o.saved_bytes) for o in profile.options],
-                         [t - o.saved_bytes for o, t in zip(profile.options, temps)])
+                         [0 if t is None else t - o.saved_bytes for o, t in zip(profile.options, temps)])
     options = tuple(dataclasses.replace(o, peak_bytes=pk) for o, pk in zip(profile.options, peaks))
     return dataclasses.replace(profile, options=options)
 
@@ -237,17 +242,16 @@ def _profile_uncached(spec: CallSpec, call: Callable, menu: tuple, calibrate: bo
         why = ("every policy", f"it cannot be reverse-differentiated on its own ({_reason(e)})")
         return BlockProfile(forward, (PolicyProfile(NO_REMAT, 0, 0, 0, Cost(0, 0)),), (why,))
     raw, skipped = _measure(spec, call, menu, base)
-    try:
-        peaks, calibrated = calibration(raw, spec, n_module_leaves(spec), calibrate)
-    except Refused:  # the block's copies in a row do not fit the device: the jaxpr's counts stand
-        peaks, calibrated = None, None
+    # where the device refuses a calibrating compile, that option's jaxpr counts stand
+    peaks, calibrated = calibration(raw, spec, n_module_leaves(spec), calibrate)
     options = []
     for j, m in enumerate(raw):
         counted = m.internal + m.args
         measured = None if calibrated is None else calibrated[j]
         saved = counted if measured is None else measured
         # uncalibrated, the backward's working set is the no-remat residuals, rebuilt during it
-        peak = counted + raw[0].internal if peaks is None else peaks[j]
+        compiled = None if peaks is None else peaks[j]
+        peak = counted + raw[0].internal if compiled is None else compiled
         recompute = Cost(max(m.recompute.flops, 0), max(m.recompute.bytes, 0))
         options.append(PolicyProfile(m.option, int(saved), int(max(peak, saved)), int(counted), recompute,
                                      tuple(m.merged)))
@@ -286,12 +290,13 @@ def _reason(e: Exception) -> str:
 
 
 def calibration(raw: list[_Measured], spec: CallSpec, n_module: int,
-                 calibrate: bool) -> tuple[Sequence[int] | None, Sequence[int | None] | None]:
+                 calibrate: bool) -> tuple[Sequence[int | None] | None, Sequence[int | None] | None]:
     """`(peaks, saved)` from the compiler, or `(None, None)` when not calibrating: `peaks[j]`, the
     temp bytes of the block's gradient alone under option `j`; `saved[j]` (None where the output
     cannot feed the first argument), from copies of the block in a row, each with its own
     parameters: `temp(j, j, none) - temp(j, none)`, what one more copy under `j` adds with its input
-    a temporary as in a stack (for no remat, `temp(none x 3) - temp(none x 2)`).
+    a temporary as in a stack (for no remat, `temp(none x 3) - temp(none x 2)`). A figure whose
+    compile the device refuses for memory is None.
 
     Where the copy under `j` hides below its own peak in `(j, none)`, that overstates (a 24-layer
     transformer at d=768 keeps 12 MB a block under full remat, the difference said 47.77:
@@ -307,15 +312,26 @@ def calibration(raw: list[_Measured], spec: CallSpec, n_module: int,
     peaks, chains = temps[: len(raw)], temps[len(raw):]
     if chain_at is None:
         return peaks, [None] * len(raw)
-    saved = [chains[2 * j + 1] - chains[2 * j] for j in range(len(raw))]
-    hidden = [j for j in range(1, len(raw)) if chains[2 * j] <= peaks[j]]
-    if hidden:  # the none option's chains are two and three copies without remat
-        saved = _between(saved, hidden, peaks, chains[0], raw, spec, n_module, chain_at)
+    saved = [_less(chains[2 * j + 1], chains[2 * j]) for j in range(len(raw))]
+    hidden = [j for j in range(1, len(raw)) if saved[j] is not None and _at_most(chains[2 * j], peaks[j])]
+    two_none, peak_none = chains[0], peaks[0]
+    if hidden and two_none is not None and peak_none is not None:  # the none option's chains: 2 and 3 copies
+        saved = _between(saved, hidden, peaks, two_none, peak_none, raw, spec, n_module, chain_at)
     return peaks, saved
 
 
-def _between(saved: list[int], hidden: Sequence[int], peaks: Sequence[int], two_none: int,
-             raw: list[_Measured], spec: CallSpec, n_module: int, chain_at: int) -> list[int]:
+def _at_most(a: int | None, b: int | None) -> bool:
+    """`a <= b`, False where either compile was refused."""
+    return a is not None and b is not None and a <= b
+
+
+def _less(a: int | None, b: int | None) -> int | None:
+    """`a - b`, or None where either compile was refused."""
+    return None if a is None or b is None else a - b
+
+
+def _between(saved: list[int | None], hidden: Sequence[int], peaks: Sequence[int | None], two_none: int,
+             peak_none: int, raw: list[_Measured], spec: CallSpec, n_module: int, chain_at: int) -> list[int | None]:
     """`saved` with, for each option `j` in `hidden`, `temp(none, j, none) - temp(none, none)`; where
     the copy hides below its own peak there too, the smaller of that and `temp(none, j, none x 3) -
     temp(none x 4)`: below zero where the copy lends its weight gradients' output buffers, written
@@ -324,11 +340,14 @@ def _between(saved: list[int], hidden: Sequence[int], peaks: Sequence[int], two_
     none = raw[0].f
     chains = [[none] * 4] + [c for j in hidden for c in ([none, raw[j].f, none], [none, raw[j].f] + [none] * 3)]
     four, *temps = compiled_temps([chain_job(c, spec, n_module, chain_at) for c in chains])
-    first = two_none - peaks[0]  # what a copy without remat keeps while the next one peaks
+    first = two_none - peak_none  # what a copy without remat keeps while the next one peaks
     out = list(saved)
     for k, j in enumerate(hidden):
-        middle, lending = temps[2 * k] - two_none, temps[2 * k + 1] - four
-        out[j] = min(middle, lending) if temps[2 * k] <= first + peaks[j] else middle
+        between, after, peak = temps[2 * k], temps[2 * k + 1], peaks[j]
+        if between is None or peak is None:  # refused: the first measure stands
+            continue
+        middle, lending = between - two_none, _less(after, four)
+        out[j] = min(middle, lending) if lending is not None and between <= first + peak else middle
     return out
 
 

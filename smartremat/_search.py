@@ -64,6 +64,12 @@ def is_compiled(figures: tuple[int, float]) -> bool:
     return math.isfinite(figures[1])
 
 
+def checked_pair(predicted: float, figures: tuple[int, float]) -> tuple[int, int] | None:
+    """`(predicted peak, compiled temp)` of a candidate compiled, `None` for one the device refused
+    (its figure is the bytes the refusal named, not a compiled program's)."""
+    return (int(predicted), int(figures[0])) if is_compiled(figures) else None
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What the search found: the chosen candidate and the candidates it compiled."""
@@ -72,7 +78,8 @@ class Outcome:
     compiled: tuple[int, float]  # the choice's compiled (temp, flops)
     measured: tuple[Choice, ...]  # compiled under the first loss (those not built are counted in `skipped`)
     confirmed: tuple[Choice, ...] = ()  # the candidates also compiled under every loss
-    checked: tuple[tuple[int, int], ...] = ()  # (predicted peak, compiled temp) per candidate compiled
+    # (predicted peak, compiled temp) per candidate of `measured`; None for one the device refused
+    checked: tuple[tuple[int, int] | None, ...] = ()
     timed: tuple[tuple[int, float, float], ...] = ()  # with tune=True: (temp, flops, seconds) per candidate timed
     skipped: int = 0  # candidates that could not be built (`Unbuildable`)
 
@@ -234,7 +241,7 @@ def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimat
             continue
         if compiled.exact(best) <= budget:
             built = [c for c, (t, _) in compiled.figures.items() if t < UNBUILT[0]]  # `measured` pairs with `checked`
-            checked = tuple((int(model.peak(c)), compiled.figures[c][0]) for c in built)
+            checked = tuple(checked_pair(model.peak(c), compiled.figures[c]) for c in built)
             return Outcome(best, compiled.figures[best], tuple(built), tuple(compiled.confirmed), checked,
                            skipped=compiled.skipped)
 

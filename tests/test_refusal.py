@@ -20,6 +20,7 @@ from smartremat._model import MemoryModel
 from smartremat._refused import Refused, compile_or_refuse, needed_bytes, refusal
 from smartremat._step_plan import tail
 
+from benchmarks.models import TutorialStack
 from tests.helpers import FULL, tree_allclose
 from tests.models import ScannedTransformer, Transformer
 from tests.simulated_chip import simulated_chip, xla_size
@@ -126,6 +127,9 @@ def test_decorator_where_candidates_are_refused():
         plan = smartremat.explain(wrapped, x)
     assert chip.refused  # some candidate was refused, and planning went on
     assert plan.compiled_peak_bytes is not None and plan.compiled_peak_bytes < hbm
+    # the refused candidates are counted in the notes, not paired with a figure the compiler never gave
+    assert any(f"did not fit the device's memory" in n for n in plan.notes)
+    assert plan.checked and all(compiled <= hbm for _, compiled in plan.checked)
     assert _total(_memory(eqx.filter_jit(eqx.filter_grad(loss)), (wrapped,))) <= hbm  # the step that ran
     assert tree_allclose(grads.module, expected)
 
@@ -220,3 +224,22 @@ def test_the_simulated_chip_words_sizes_as_xla():
         f.lower(a).compile()
     assert len(chip.refused) == 1
     assert f.lower(a).compile() is not None  # the chip is gone
+
+
+def test_calibration_falls_back_option_by_option():
+    """A chip that holds the block's backward under remat but not without it: the options whose
+    calibrating compiles fit keep the compiler's own peak, only the refused one falls back to the
+    jaxpr's counts (not the whole block)."""
+    model, x = TutorialStack(2, 64, 4096, jax.random.key(0)), jnp.ones((1024, 64))
+
+    def figures():
+        plan = smartremat.explain(smartremat.smartremat(budget_mb=1000, verify=False)(model), x)
+        return {o.name: o.peak_bytes for o in plan.blocks[0].options}
+
+    calibrated = figures()
+    hbm = (calibrated["none"] + calibrated["nothing_saveable"]) // 2
+    with simulated_chip(hbm) as chip:
+        got = figures()
+    assert chip.refused and got["none"] != calibrated["none"]
+    assert got["nothing_saveable"] == calibrated["nothing_saveable"]
+    assert got["dots_saveable"] == calibrated["dots_saveable"]
