@@ -234,7 +234,7 @@ def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimat
             compiled(*_could_win(uniforms, model, compiled, points, predicted, budget, best, rank))
             best = _chosen(compiled, budget, rank, uniforms)
         if best is None:
-            everything = (*uniforms, *points)
+            everything = _left_to_try(uniforms, points, model, compiled.figures)
             if all(c in compiled.figures for c in everything):
                 raise error(compiled.floor())
             compiled(*everything)  # the model's lowest plan is not the compiler's: try them all
@@ -244,6 +244,22 @@ def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimat
             checked = tuple(checked_pair(model.peak(c), compiled.figures[c]) for c in built)
             return Outcome(best, compiled.figures[best], tuple(built), tuple(compiled.confirmed), checked,
                            skipped=compiled.skipped)
+
+
+def _left_to_try(uniforms: Sequence[Choice], points: Sequence[Choice], model: Estimates,
+                 figures: dict) -> tuple[Choice, ...]:
+    """The candidates to compile when none fits: all of them (the model's lowest plan is not
+    always the compiler's), or, where the device refused every candidate compiled so far, those
+    predicted within `FIT_MARGIN` of the lowest predicted peak, and the uniform plan of the lowest
+    (full remat): on a TPU a refused compile takes as long as one that fits (12-23 s at
+    GPT-2-medium shape, docs/facts.md fact 21), and a plan the model puts further above one the
+    device could not hold will not fit it either."""
+    everything = (*uniforms, *points)
+    if not figures or any(is_compiled(f) for f in figures.values()):
+        return everything
+    low = min(model.peak(c) for c in everything)
+    near = [c for c in everything if model.peak(c) <= low * (1 + FIT_MARGIN)]
+    return tuple(dict.fromkeys([min(uniforms, key=model.peak), *near])) if uniforms else tuple(near)
 
 
 def _best(compiled: CandidateFigures, budget: int, rank: Callable[[Choice, float], float]) -> Choice | None:

@@ -127,16 +127,23 @@ def tree_mismatches(actual: Any, expected: Any, *, grads: tuple[Any, Any] | None
        about `lr * sign(g)` for any `|g| >> eps`, so rounding noise on a gradient entry that is
        zero (rule 3) becomes an update anywhere in `[-lr, lr]`. At the positions where *both*
        gradients are zero up to rounding (rule 3 on `grads`), entries of the subtrees of rule 3 are
-       only required to be finite. A real difference is not hidden by this: it would make one of
-       the two gradients non-zero there, which rule 3 then reports.
+       only required to be finite (with `step_size`, to be within rule 5's two steps). A real
+       difference is not hidden by this: it would make one of the two gradients non-zero there,
+       which rule 3 then reports.
     5. *Parameters after a normalised step* (with `grads` and `step_size`, for trees of new
        parameters or updates only): Adam moves an entry by `lr * g / (|g| + eps)`, whose change
        for a change `dg` of the gradient entry is at most `lr * |dg| / |g|`. Rule 2 accepts on a
        gradient entry `dg` up to `rtol_d` times its leaf's scale, which is a large relative change
        for an entry much smaller than its leaf (a cancellation); so an entry here may differ by
        `step_size * min(2, 2 * rtol_d * scale(g leaf) / |g|)` (the 2: both moments carry it).
-       Compare moments and gradients without `step_size`: rules 2-4 hold them tightly, so a real
-       gradient difference is still reported there.
+       Where both gradients are zero up to rounding (rule 4: judged on the gradient, at the whole
+       gradient's scale), `|g|` is taken as 0: the entry may differ by `2 * step_size`, as two
+       first Adam steps of at most `lr` each may. The leaf's own scale cannot judge there: a leaf
+       made only of such entries (a bias right before a BatchNorm) is rounding noise throughout,
+       and the step turns it into moves of `lr * g / (|g| + eps)` of any sign (issue 39: 1e-4 in
+       float32, 3e-13 in float64). Compare moments and gradients without `step_size`: rules 2-4
+       hold them tightly, so a real gradient difference is still reported there, and it makes
+       the entry non-zero, so rule 5 holds the parameter to its own bound again.
 
     **Arguments:** `grads` is `(actual, expected)`: the two runs' gradients, or any trees
     proportional to them entry by entry (Adam's first moment after one step, SGD's momentum trace),
@@ -155,7 +162,7 @@ def tree_mismatches(actual: Any, expected: Any, *, grads: tuple[Any, Any] | None
         scale = _tree_scale(ge)
         zero = jax.tree.map(lambda a, e: _zero_entries(a, e, scale, tol), ga, ge)
         if step_size is not None:  # rule 5: the step an entry may differ by, per position
-            zero = jax.tree.map(lambda a, e: _step_tolerance(a, e, tol, step_size), ga, ge)
+            zero = jax.tree.map(lambda a, e, z: _step_tolerance(a, e, z, tol, step_size), ga, ge, zero)
     out: list[str] = []
     _compare(actual, expected, "", shape, zero, tol, out)
     return out
@@ -166,12 +173,13 @@ def _tree_scale(tree: Any) -> float:
                 if _is_float(x) and x.size), default=0.0)
 
 
-def _step_tolerance(a: Any, e: Any, tol: Any, step: float) -> np.ndarray:
-    """Rule 5: `step * min(2, 2 * rtol_d * scale / |g|)` per entry of a gradient leaf."""
+def _step_tolerance(a: Any, e: Any, zero: np.ndarray, tol: Any, step: float) -> np.ndarray:
+    """Rule 5: `step * min(2, 2 * rtol_d * scale / |g|)` per entry of a gradient leaf, and `2 * step`
+    where both gradients are `zero` up to rounding (rule 4: `|g|` taken as 0)."""
     g = np.minimum(np.abs(np.asarray(a, np.float64)), np.abs(np.asarray(e, np.float64)))
     scale = float(np.max(np.abs(np.asarray(e, np.float64)), initial=0.0))
-    with np.errstate(divide="ignore"):
-        return step * np.minimum(2.0, 2 * tol(e.dtype) * scale / g)
+    with np.errstate(divide="ignore", invalid="ignore"):  # 0 / 0 (a leaf of zeros): NaN, within no step
+        return np.where(zero, 2 * step, step * np.minimum(2.0, 2 * tol(e.dtype) * scale / g))
 
 
 def _zero_entries(a: Any, e: Any, scale: float, tol: Any) -> np.ndarray:

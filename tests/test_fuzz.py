@@ -12,15 +12,18 @@ import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given, settings
 
-from tests.fuzz.check import (Failed, _check_chip, _check_decorator, _compare, _reference, check_case, float64,
-                               promotion)
-from tests.fuzz.grammar import CHOICES, LATE, Case, build, case_at, cases, covering, normalise, working
+from tests.fuzz.check import (Failed, _check_chip, _check_decorator, _compare, _mismatches, _reference, check_case,
+                               float64, promotion)
+from tests.fuzz.grammar import CHOICES, LATE, LR, Case, build, case_at, cases, covering, normalise, working
+from tests.helpers import MISMATCH_RTOL
 
 CI_SEED = 28
 CI_CASES = 8  # the fewest that draw every value of every field (CI time: 24 cases took 8 minutes of the suite)
@@ -172,3 +175,44 @@ def test_rule_6_runs_the_decorators_own_plan_in_float64():
         built, _, _, expected = _reference(case)
         _check_decorator(case, built, 0.0202, expected, figures)  # raises on a difference beyond rounding
     assert "rule 6" not in figures, figures["rule 6"]  # as `test_case_2026_212_now_agrees_in_float32`
+
+
+#: Seed 8675309, case 0 (issue 39, item 4), and the case it shrinks to: the bias right before the
+#: BatchNorm has a gradient that is mathematically zero, rounding noise of 4e-8 of the gradient's
+#: scale (rule 3), which Adam's first step turns into a move of `lr * g / (|g| + eps)`: the new
+#: biases of the planned and the plain step differed by up to 1.2e-4 (rule 5 alone allowed 1e-8).
+ZERO_GRADIENT_CASES = {
+    "8675309/0": Case(seed=50741, layout="scan", block="linear", vmap="outer", norm="batchnorm", dropout=False,
+                      control="none", dtype="f32", method="encode", kwargs=False, inputs="tuple", outputs="array",
+                      wrapper=False, loss="huber", step="adamw", accum="none", donate=True, path="filter_jit",
+                      width=32, batch=16, depth=1, budget=0.0, chip="none"),
+    "shrunk": Case(block="linear", vmap="outer", norm="batchnorm", method="encode", step="adam"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ZERO_GRADIENT_CASES))
+def test_adam_on_a_gradient_zero_up_to_rounding_is_judged_on_the_gradient(name):
+    case = ZERO_GRADIENT_CASES[name]
+    assert normalise(case) == case
+    outcome = check_case(case)
+    assert outcome.ok, f"{case}\n{outcome.report()}"
+
+
+def test_adams_step_on_a_zero_gradient_is_judged_on_the_gradient():
+    """Rounding noise of opposite signs on a zero gradient entry (`b`, 4e-8 of the gradient's scale)
+    moves Adam's parameter by up to `2 * lr` (rule 5 with rule 4); 1e-4 of the gradient's scale on
+    it is a real difference, reported on the first moment and on the parameter."""
+    case, params = Case(step="adam"), {"w": jnp.ones((2, 2)), "b": jnp.zeros(2)}
+    opt = optax.adam(LR[case.step])
+
+    def step(b: list) -> tuple:
+        grads = {"w": jnp.array([[0.5, -2.0], [1.0, 0.25]]), "b": jnp.array(b)}
+        updates, state = opt.update(grads, opt.init(params), params)
+        return jax.device_get((jnp.float32(1.5), eqx.apply_updates(params, updates), state))
+
+    with promotion(case):  # optax's bias correction
+        plain, noise, real = step([-2e-8, 1e-8]), step([6e-8, -3e-8]), step([2e-4, 1e-8])
+    assert np.max(np.abs(noise[1]["b"] - plain[1]["b"])) > 1e-3  # about 1.5 lr
+    assert _mismatches(case, noise, plain, MISMATCH_RTOL, None) == []
+    found = _mismatches(case, real, plain, MISMATCH_RTOL, None)
+    assert {m.split(":")[0] for m in found} == {"[1]['b']", "[1][0].mu['b']"}  # the moments: outputs but [1]
