@@ -220,8 +220,8 @@ def smartremat(budget_mb: float, *, policies: Sequence[Callable[..., bool] | Non
       `jax.ShapeDtypeStruct`s, or a function from the output's `ShapeDtypeStruct`s to them when
       their shapes follow the batch (e.g. `lambda out: jax.ShapeDtypeStruct(out.shape[:-1], jnp.int32)`).
     - `tune`: also time candidates and keep the fastest (FLOPs do not order step times: on a CPU,
-      memory traffic can cost more than recompute). The fitting plan of fewest compiled FLOPs,
-      every uniform plan and up to three frontier plans of lower peak are compiled as the
+      memory traffic can cost more than recompute). The fitting plan of the default objective
+      (fewest compiled FLOPs; on an accelerator, plus a charge for bytes kept in a scan), every uniform plan and up to three frontier plans of lower peak are compiled as the
       verified step (under the first loss); those that fit run on synthetic inputs (interleaved
       rounds: 25, or about 2 s per candidate for short steps) and the lowest median time wins
       (docs/facts.md, facts 18 and 19). It costs a few seconds per plan, once per signature

@@ -51,6 +51,11 @@ class Stage:
             return self.cost
         return tuple(c + min(round(self.kept_charge * max(s, 0)), _MOST) for c, s in zip(self.cost, self.saved))
 
+    @functools.cached_property
+    def split_charge(self) -> int:
+        """The charge for `split_extra`, the bytes a split run's piece copies per iteration."""
+        return min(round(self.kept_charge * self.split_extra), _MOST)
+
     def __post_init__(self) -> None:
         if not (len(self.saved) == len(self.peak) == len(self.cost) > 0):
             raise ValueError("a Stage needs the same number (>0) of saved, peak and cost entries")
@@ -100,8 +105,11 @@ def cost_of(stages: Sequence[Stage], choice: Sequence[int]) -> int:
 
 
 def objective_of(stages: Sequence[Stage], choice: Sequence[int]) -> int:
-    """What the solver minimises for `choice`: `cost_of` plus the charge for the bytes it keeps."""
-    return sum(st.objective[c] for st, c in zip(stages, choice, strict=True))
+    """What the solver minimises for `choice`: `cost_of` plus the charge for the bytes it keeps
+    (a split run's copies of its scanned operands included)."""
+    split = {r for r, n in segments_of(stages, choice).items() if n > 1}
+    return sum(st.objective[c] + (st.split_charge if st.run in split else 0)
+               for st, c in zip(stages, choice, strict=True))
 
 
 def segments_of(stages: Sequence[Stage], choice: Sequence[int]) -> dict[int, int]:

@@ -65,7 +65,7 @@ class Plan:
     bytes (the largest over the losses it was compiled under; a candidate the device refused is
     left out, and counted in `notes`); `timed` (with `tune=True`), per
     fitting candidate run, its compiled temp bytes, compiled FLOPs and median seconds per step,
-    the fewest-FLOPs candidate first.
+    the default objective's candidate first.
     """
 
     budget_bytes: int
@@ -258,7 +258,7 @@ def _plot(plan: Plan, path: str) -> None:
             "from `plan.frontier()` instead.") from e
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     pts = plan.frontier()
-    ax.step([p for p, _ in pts], [c / 1e9 for _, c in pts], "k.-", where="post", label="frontier (optimal plans)")
+    ax.step([p for p, _ in pts], [c / 1e9 for _, c in pts], "k.-", where="post", label="frontier (optimal plans, at their FLOPs)")
     for name, (peak, cost) in plan.uniform().items():
         ax.scatter(peak, cost / 1e9, marker="s", zorder=3)
         ax.annotate(short_name(name), (peak, cost / 1e9), textcoords="offset points", xytext=(4, 4), fontsize=8)

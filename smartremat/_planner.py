@@ -30,7 +30,7 @@ from ._model import Config, MemoryModel, assignment_of, choices_of, full_remat, 
 from ._paths import path_str
 from ._plan import Plan, PlanBlock, PolicyFigures
 from ._refused import Refused, over_budget
-from ._search import MAX_CANDIDATES, CandidateFigures, Estimates, Outcome, checked_pair, search, spread
+from ._search import MAX_CANDIDATES, UNBUILT, CandidateFigures, Estimates, Outcome, checked_pair, search, spread
 from ._solve import Solution, frontier, min_peak, solve
 from ._share import shared, timing_together
 from ._tune import Timed, pool, timings, tuned
@@ -228,8 +228,8 @@ def _timings(target: Target, config: Config, candidates: list[Runs]) -> list[tup
 
 
 #: The warning when `tune=True` cannot run its candidates.
-TUNE_FAILED = ("smartremat: `tune=True` could not time its candidate plans ({error}); the plan of the "
-               "fewest compiled FLOPs that fits is used, untimed, and not stored in the disk cache, so the next "
+TUNE_FAILED = ("smartremat: `tune=True` could not time its candidate plans ({error}); the plan the "
+               "search chose (by its objective, untimed) is used, and not stored in the disk cache, so the next "
                "process tries again. Timing holds a second copy of the step's inputs on the device: free memory "
                "for it, or pass `tune=False` to plan without timing.")
 
@@ -250,7 +250,8 @@ def _fastest(out: Outcome, points: list, uniforms: list, config: Config, measure
         return out
     checked = dict(zip(out.measured, out.checked))
     for c, figures in compiled.figures.items():
-        checked.setdefault(c, checked_pair(peak(c), figures))
+        if figures != UNBUILT:  # counted in `skipped`, not as refused
+            checked.setdefault(c, checked_pair(peak(c), figures))
     return Outcome(choice, compiled.figures[choice], tuple(checked),
                    tuple(dict.fromkeys([*out.confirmed, *compiled.confirmed])),  # each once: the choice is in both
                    tuple(checked.values()), timed, out.skipped + compiled.skipped)
@@ -318,6 +319,7 @@ def _skipped_note(outcome: Outcome | None) -> tuple[str, ...]:
 
 
 def _refused_note(outcome: Outcome | None) -> tuple[str, ...]:
+    """The plan's note counting the candidates the device refused (left out of `Plan.checked`)."""
     refused = 0 if outcome is None else sum(pair is None for pair in outcome.checked)
     if not refused:
         return ()

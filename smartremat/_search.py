@@ -5,8 +5,9 @@ The candidates are the model's Pareto frontier (sorted by predicted peak, at mos
 points spread evenly) and the uniform plans. `search` compiles the point the model chooses, then
 guesses by the predicted peaks scaled by the compiled/predicted ratio of the nearest compiled point
 (every candidate if the lowest-peak point misses: fusion and buffer reuse can reorder plans near
-the floor); then frontier points until the cheapest fitting one is bracketed (`MISS_MARGIN`); then
-the uniform plans that could win (`FIT_MARGIN`, `WIN_MARGIN`), their predicted peaks scaled by the
+the floor, and a device that refused the lowest may hold another: fuzz seed 20261206, case 81);
+then frontier points until the cheapest fitting one is bracketed (`MISS_MARGIN`); then the uniform
+plans that could win (`FIT_MARGIN`, `WIN_MARGIN`), their predicted peaks scaled by the
 smallest ratio seen if below 1, never up (an under-predicted mixed plan must not rule out a uniform
 plan the model predicts well: with d61ddb0's profile the ResNet's mixed plans were 16-20% under;
 after XLA's fusion a uniform policy can take fewer FLOPs than the model says, by up to 1.6% of the
@@ -160,7 +161,7 @@ class Estimates:
     """What the model says of candidates: predicted peak bytes and recompute FLOPs."""
 
     peak: Callable[[Choice], float]
-    flops: Callable[[Choice], float]
+    flops: Callable[[Choice], float]  # the objective: recompute FLOPs, charged for kept bytes
 
 
 def search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimates, budget: int,
@@ -234,7 +235,7 @@ def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimat
             compiled(*_could_win(uniforms, model, compiled, points, predicted, budget, best, rank))
             best = _chosen(compiled, budget, rank, uniforms)
         if best is None:
-            everything = _left_to_try(uniforms, points, model, compiled.figures)
+            everything = (*uniforms, *points)
             if all(c in compiled.figures for c in everything):
                 raise error(compiled.floor())
             compiled(*everything)  # the model's lowest plan is not the compiler's: try them all
@@ -244,22 +245,6 @@ def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimat
             checked = tuple(checked_pair(model.peak(c), compiled.figures[c]) for c in built)
             return Outcome(best, compiled.figures[best], tuple(built), tuple(compiled.confirmed), checked,
                            skipped=compiled.skipped)
-
-
-def _left_to_try(uniforms: Sequence[Choice], points: Sequence[Choice], model: Estimates,
-                 figures: dict) -> tuple[Choice, ...]:
-    """The candidates to compile when none fits: all of them (the model's lowest plan is not
-    always the compiler's), or, where the device refused every candidate compiled so far, those
-    predicted within `FIT_MARGIN` of the lowest predicted peak, and the uniform plan of the lowest
-    (full remat): on a TPU a refused compile takes as long as one that fits (12-23 s at
-    GPT-2-medium shape, docs/facts.md fact 21), and a plan the model puts further above one the
-    device could not hold will not fit it either."""
-    everything = (*uniforms, *points)
-    if not figures or any(is_compiled(f) for f in figures.values()):
-        return everything
-    low = min(model.peak(c) for c in everything)
-    near = [c for c in everything if model.peak(c) <= low * (1 + FIT_MARGIN)]
-    return tuple(dict.fromkeys([min(uniforms, key=model.peak), *near])) if uniforms else tuple(near)
 
 
 def _best(compiled: CandidateFigures, budget: int, rank: Callable[[Choice, float], float]) -> Choice | None:

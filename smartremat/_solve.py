@@ -99,10 +99,10 @@ def _expand(st: Stage, o: int, state: tuple, cont: bool, start_mode: int, limit:
         mode = np.zeros_like(mode)
     elif not cont:
         mode = np.full_like(mode, start_mode)
-    extra = st.split_extra * mode
+    extra, charge = st.split_extra * mode, st.objective[o] + st.split_charge * mode
     feasible = (kept + st.peak[o] + extra <= limit) & (st.peak[o] < _FORBIDDEN)
     if cap is not None:
-        feasible &= cost + st.objective[o] <= cap
+        feasible &= cost + charge <= cap
     if st.run is None:
         new_segs = np.zeros_like(segs)
     else:
@@ -110,7 +110,7 @@ def _expand(st: Stage, o: int, state: tuple, cont: bool, start_mode: int, limit:
         feasible &= new_segs <= np.where(mode == 1, st.segments, 1)
     ok = np.nonzero(feasible)[0]
     new_prev = np.full(len(ok), o if st.run is not None else -1, np.int64)
-    return (kept[ok] + st.saved[o] + extra[ok], cost[ok] + st.objective[o], ok, np.full(len(ok), o, np.int64),
+    return (kept[ok] + st.saved[o] + extra[ok], cost[ok] + charge[ok], ok, np.full(len(ok), o, np.int64),
             new_prev, new_segs[ok], mode[ok])
 
 

@@ -69,7 +69,7 @@ def simulated_chip(hbm: int, refuses: bool = True, kind: str = "TPU v5 lite") ->
     re-entrant."""
     lowered_cls, device_cls = jax.stages.Lowered, type(jax.devices()[0])
     compile_before, stats_before = lowered_cls.compile, device_cls.memory_stats
-    kind_before = device_cls.__dict__["device_kind"]
+    kind_before = vars(device_cls).get("device_kind")  # None: inherited, restored by deleting ours
     chip = Chip(hbm)
 
     def compile(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -88,11 +88,14 @@ def simulated_chip(hbm: int, refuses: bool = True, kind: str = "TPU v5 lite") ->
         return {"bytes_limit": hbm, "bytes_in_use": 0, "peak_bytes_in_use": 0}
 
     smartremat.clear_caches()
-    lowered_cls.compile, device_cls.memory_stats = compile, memory_stats
-    device_cls.device_kind = property(lambda self: kind)
     try:
+        lowered_cls.compile, device_cls.memory_stats = compile, memory_stats
+        device_cls.device_kind = property(lambda self: kind)
         yield chip
     finally:
         lowered_cls.compile, device_cls.memory_stats = compile_before, stats_before
-        device_cls.device_kind = kind_before
+        if kind_before is not None:
+            device_cls.device_kind = kind_before
+        elif "device_kind" in vars(device_cls):
+            delattr(device_cls, "device_kind")
         smartremat.clear_caches()

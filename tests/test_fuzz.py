@@ -39,6 +39,10 @@ CHIP_CASES = {
     # refused while `dots_saveable` fits the chip; planning gave up ("does not fit the device")
     "refused references": Case(block="checkpointed", vmap="inner", control="cond", wrapper=True, width=16,
                                batch=8, depth=2, budget=0.0, chip="tight"),
+    # seed 20261206, case 81, shrunk: the device refused full remat and the lowest-peak frontier plan,
+    # and a plan the model put far above them fits; a search that gave up there said "no plan fits"
+    "refused lowest": Case(layout="shared", block="mlp", method="loss", step="sgd", width=16, batch=4, depth=2,
+                           budget=0.5, chip="tight"),
 }
 
 

@@ -7,8 +7,6 @@ outputs, plus a share of the temp bytes without remat, so that the step without 
 and full remat fits.
 """
 
-import re
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -141,10 +139,8 @@ def test_no_plan_fits_the_chip():
     m = _memory(eqx.filter_jit(step, donate="all"), args)
     hbm = int(_total(m) - m.temp_size_in_bytes)  # arguments and outputs only: nothing fits
     with simulated_chip(hbm), pytest.raises(ValueError, match=r"does not fit the device's memory under any remat "
-                                            r"plan tried: \d+ candidate plan\(s\).*No budget changes that") as e:
+                                            r"plan tried: \d+ candidate plan\(s\).*No budget changes that"):
         smartremat.filter_jit(step, budget_mb=1.0, donate="all").plan(*args)  # every candidate refused
-    # it gives up after full remat and the plans predicted near the lowest: not every candidate (18 here)
-    assert int(re.search(r"(\d+) candidate plan", str(e.value)).group(1)) <= 3
     with simulated_chip(hbm), pytest.raises(ValueError, match=r"arguments and outputs alone take"):
         smartremat.filter_jit(step, budget_mb="auto", donate="all").plan(*args)
 
