@@ -12,7 +12,8 @@ figures for the block, full remat recomputes 172.8 GFLOP and keeps 16.8 MB (bflo
 recomputed, 760 FLOPs per byte (the third then predicts 1.79 ms); a charge between 512 and 1024
 FLOPs per byte orders all three as timed. It is 3 ridge points here (the chip's peak FLOP/s over
 its memory bandwidth, 240 FLOPs per byte). The same step with 3-7 GB of the chip taken by an extra
-argument ran within 0.3%: the cost is the bytes, not the pressure.
+argument ran within 0.3%: the cost is the bytes, not the pressure. A scan split into pieces
+copies its slices of the scanned operands (`Stage.split_extra`): those bytes are charged alike.
 
 Outside a scan a kept byte is charged nothing. The unrolled model at batch 4 (float32) stepped in
 185.5 ms without remat, 218.4 ms under `dots_with_no_batch_dims_saveable` and 225.2 ms under full
