@@ -160,7 +160,7 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
     def peak(choice: tuple[int, ...]) -> float:
         return peak_of(stages, choice) + model.fixed_bytes
 
-    def flops(choice: tuple[int, ...]) -> float:
+    def objective(choice: tuple[int, ...]) -> float:
         return objective_of(stages, choice)
 
     uniforms = list(dict.fromkeys(uniform(model, p) for p in config.policies))
@@ -171,7 +171,7 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
         e = target.too_low(config, model, int(floor), compiled=True)
         return ValueError(f"{e}{REFUSED_NOTE.format(n=len(refused))}") if refused and isinstance(e, ValueError) else e
 
-    out = search([p.choice for p in points], uniforms, Estimates(peak, flops), config.budget_bytes, measure, rank,
+    out = search([p.choice for p in points], uniforms, Estimates(peak, objective), config.budget_bytes, measure, rank,
                  error, progress, confirm)
     if config.tune:
         out = _fastest(out, [p.choice for p in points], uniforms, config, measure, confirm, time_of, peak, progress)

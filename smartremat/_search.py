@@ -158,10 +158,11 @@ class CandidateFigures:
 
 @dataclass(frozen=True)
 class Estimates:
-    """What the model says of candidates: predicted peak bytes and recompute FLOPs."""
+    """What the model says of candidates: predicted peak bytes, and their objective (recompute
+    FLOPs, on an accelerator charged for kept bytes: `_objective`) as `flops`."""
 
     peak: Callable[[Choice], float]
-    flops: Callable[[Choice], float]  # the objective: recompute FLOPs, charged for kept bytes
+    flops: Callable[[Choice], float]
 
 
 def search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimates, budget: int,
