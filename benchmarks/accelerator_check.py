@@ -17,7 +17,8 @@ Each run (smartremat at each budget first, `"auto"` before any other so that the
 memory after it is its own; then each fixed strategy) starts from the same parameters, copied onto
 the device, compiles (a compile the chip refuses is a row with the compiler's message and figure),
 runs one step whose loss, gradient (Adam's first moment) and new parameters are kept on the host,
-then `--steps` more steps fed with the previous outputs, timed one by one (median); its state is then
+then `--steps` more steps fed with the previous outputs, timed one by one (median; "host" is the
+part before the call returns: the Python wrapper's work and the dispatch, before the device waits); its state is then
 freed, so runs are sequential, not interleaved: one training state of this model takes 4.5 GB of the
 chip. Rows: compiled temp bytes, compile (or first call) seconds, step time, model FLOPs utilisation
 (6 N + 12 L T d FLOPs per token against the chip's peak, `--peak-tflops`), the process's
@@ -29,6 +30,9 @@ fastest fitting fixed strategy's compile.
 The figures go to `<out>/accelerator_check_<device>_<layout>_<dtype>_batch<B>.json` and `.md`;
 `--merge` adds this call's runs to that file's (a check larger than one device call, run in parts;
 differences are from the reference run of the same call). The file is written after each run.
+A strategy may also be a plan placed by hand, one policy per block in order
+(`benchmarks.strategies.mixed`, e.g. `"attn:dots_nb*3+dots_nb*18+none*3"`: `attn:` puts the block's
+attention alone under the policy), to time smartremat's plan against the same plan without smartremat.
 `--size tiny` runs the same machinery on a tiny model on the CPU (tests/test_benchmark.py).
 """
 
@@ -128,15 +132,18 @@ class Check:
             return {"refused": message, "first_s": time.perf_counter() - t0}
         first = time.perf_counter() - t0
         self.kept[name] = (float(loss), on_host(first_moment(opt_state)), on_host(model))
-        times = []
+        times, host = [], []
         for _ in range(steps):
             t1 = time.perf_counter()
-            _, model, opt_state = jax.block_until_ready(jitted(model, opt_state, self.tokens))
+            out = jitted(model, opt_state, self.tokens)
+            host.append(time.perf_counter() - t1)
+            _, model, opt_state = jax.block_until_ready(out)
             times.append(time.perf_counter() - t1)
         stats = jax.devices()[0].memory_stats() or {}
         del model, opt_state, jitted
         gc.collect()
         return {"first_s": first, "step_s": statistics.median(times) if times else None,
+                "host_s": statistics.median(host) if host else None,
                 "peak_bytes_in_use": stats.get("peak_bytes_in_use")}
 
 
@@ -259,15 +266,15 @@ def markdown(r: dict) -> str:
              f"median of {r['steps']} steps after the first; MFU at {r['peak_tflops']} TFLOP/s; differences from "
              f"`{REFERENCE}` (loss, gradient, parameters after one step; per leaf over its largest value)", ""]
     lines += [f"    python {c}" for c in r["commands"]] + ["",
-              "| run | temp MB | compile / first call s | step ms | / fastest fixed | MFU | peak in use MB | loss diff "
-              "| grad diff | param diff |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "| run | temp MB | compile / first call s | step ms | of which host ms | / fastest fixed | MFU | peak in use MB "
+              "| loss diff | grad diff | param diff |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, x in r["runs"].items():
         if "refused" in x:
-            lines.append(f"| {name} | refused: {x['refused']} | {x['first_s']:.1f} | - | - | - | - | - | - | - |")
+            lines.append(f"| {name} | refused: {x['refused']} | {x['first_s']:.1f} | - | - | - | - | - | - | - | - |")
             continue
         first = x.get("compile_s", x.get("first_s"))
         lines.append(f"| {name} | {_f(x.get('temp_mb'), '.1f')} | {_f(first, '.1f')} | {_f(x.get('step_s'), '.1f', 1e3)} "
-                     f"| {_f(x.get('vs_fastest_fixed'), '.3f')} | {_f(x.get('mfu'), '.1%')} "
+                     f"| {_f(x.get('host_s'), '.1f', 1e3)} | {_f(x.get('vs_fastest_fixed'), '.3f')} | {_f(x.get('mfu'), '.1%')} "
                      f"| {_f(x.get('peak_bytes_in_use'), '.0f', 1 / MB)} | {_f(x.get('loss_diff'), '.1e')} "
                      f"| {_f(x.get('grad_diff'), '.1e')} | {_f(x.get('param_diff'), '.1e')} |")
     for name, x in r["runs"].items():

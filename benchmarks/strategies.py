@@ -22,8 +22,8 @@ UNIFORM = {"none": None, "dots": cp.dots_saveable, "dots_nb": cp.dots_with_no_ba
            "full": cp.nothing_saveable}
 
 
-def _call(m, *a):
-    return m(*a)
+def _call(m, *a, **kw):
+    return m(*a, **kw)
 
 
 class Ckpt(eqx.Module):
@@ -32,8 +32,8 @@ class Ckpt(eqx.Module):
     module: Any
     policy: Any = eqx.field(static=True)
 
-    def __call__(self, *a):
-        return eqx.filter_checkpoint(_call, policy=self.policy)(self.module, *a)
+    def __call__(self, *a, **kw):
+        return eqx.filter_checkpoint(_call, policy=self.policy)(self.module, *a, **kw)
 
 
 class Segment(eqx.Module):
@@ -50,8 +50,26 @@ class Segment(eqx.Module):
         return eqx.filter_checkpoint(run, policy=cp.nothing_saveable)(self.blocks, x)
 
 
+def _placed(block: Any, policy: str) -> Any:
+    """One block of a mixed strategy: a uniform policy name, or `attn:<name>` for the block's
+    `attn` sub-module alone under that policy (the rest of the block without remat)."""
+    if policy.startswith("attn:"):
+        return eqx.tree_at(lambda b: b.attn, block, Ckpt(block.attn, UNIFORM[policy[5:]]))
+    return block if policy == "none" else Ckpt(block, UNIFORM[policy])
+
+
+def mixed(blocks: list, name: str) -> list:
+    """Per-block policies from `name` like `attn:dots_nb*3+dots_nb*18+none*3` (counts in block order)."""
+    policies = [p for part in name.split("+") for p in [part.split("*")[0]] * int((part.split("*") + ["1"])[1])]
+    if len(policies) != len(blocks) or not all(p.removeprefix("attn:") in UNIFORM for p in policies):
+        raise ValueError(f"strategy {name!r}: {len(policies)} policies of {sorted(UNIFORM)} (or attn:<one>) "
+                         f"for {len(blocks)} blocks")
+    return [_placed(b, p) for b, p in zip(blocks, policies)]
+
+
 def strategy(model: Any, name: str, where: Callable | None) -> Any:
-    """`model` under a fixed strategy: none, full, dots, dots_nb, alternate or sqrt."""
+    """`model` under a fixed strategy: none, full, dots, dots_nb, alternate, sqrt, or per-block policies
+    (`mixed`)."""
     if name == "none":
         return model
     if where is None:  # the module's own call is the only block
@@ -66,6 +84,8 @@ def strategy(model: Any, name: str, where: Callable | None) -> Any:
     if name == "sqrt":
         k = max(1, round(math.sqrt(len(blocks))))
         return eqx.tree_at(where, model, [Segment(blocks[i:i + k]) for i in range(0, len(blocks), k)])
+    if "*" in name or "+" in name:
+        return eqx.tree_at(where, model, mixed(blocks, name))
     raise ValueError(f"unknown strategy {name!r}")
 
 

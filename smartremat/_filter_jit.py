@@ -16,8 +16,8 @@ from ._cache import KeyedCache
 from ._env import environment_key
 from ._decorator import make_config
 from ._plan import Plan
-from ._step import (Box, Signature, applying, bind, compile_quietly, compiled_step, lower_step, root_modules, split_args,
-                    step_name, traced, traced_once)
+from ._step import (Box, Signature, applying, bind, compile_quietly, compiled_step, lower_step, quick_split, root_modules,
+                    split_args, static_split, step_name, traced, traced_once)
 from ._step_plan import Entry, StepOptions, plan_step
 
 
@@ -32,10 +32,17 @@ class PlannedStep:
         self.__doc__ = getattr(fun, "__doc__", None)
         self.config, self.options = config, options
         self._entries: KeyedCache[tuple[Entry, Any, Box]] = KeyedCache()
+        self._quick: KeyedCache[tuple[Entry, Any, Box]] = KeyedCache()  # the same, by `quick_split`'s key
         self._bound: tuple = ()  # the instance of a method, its first argument
 
     def _entry(self, args: tuple, kwargs: dict) -> tuple[tuple[Entry, Any, Box], list]:
         args, kwargs = bind(self.__wrapped__, (*self._bound, *args), kwargs)
+        quick, dynamic = quick_split(self.__wrapped__, args, kwargs)
+        if quick is None:
+            return self._signed(args, kwargs)
+        return self._quick.get((quick, *environment_key()), lambda: self._signed(args, kwargs)[0]), dynamic
+
+    def _signed(self, args: tuple, kwargs: dict) -> tuple[tuple[Entry, Any, Box], list]:
         sig, dynamic = split_args(self.__wrapped__, args, kwargs)
         traced = any(isinstance(x, Tracer) for x in dynamic)
         key = (sig.key(), traced, *environment_key())
@@ -99,6 +106,7 @@ class Compiled:
 
     def __init__(self, compiled: Any, sig: Signature, box: Box, fun: Callable, bound: tuple = ()):
         self.compiled, self._sig, self._box, self._fun, self._bound = compiled, sig, box, fun, bound
+        self._static_key = sig.key()[:2]
 
     def memory_analysis(self) -> Any:
         return self.compiled.memory_analysis()
@@ -107,8 +115,8 @@ class Compiled:
         return self.compiled.cost_analysis()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        sig, dynamic = split_args(self._fun, *bind(self._fun, (*self._bound, *args), kwargs))
-        if sig.key()[:2] != self._sig.key()[:2]:
+        key, dynamic = static_split(self._fun, *bind(self._fun, (*self._bound, *args), kwargs))
+        if key != self._static_key:
             raise ValueError("This compiled step was lowered for other arguments (structure or static "
                              "values); lower and compile it for these.")
         return eqx.combine(self.compiled(*dynamic), self._box.value)

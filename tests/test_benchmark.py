@@ -154,3 +154,31 @@ def test_the_accelerator_check_runs_tiny_on_a_simulated_chip(tmp_path, standard_
         accelerator_check.main(["--size", "tiny", "--strategies", "none", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--budgets 1e3: auto or numbers of MB"):
         accelerator_check.main(["--size", "tiny", "--budgets", "1e3", "--out", str(tmp_path)])
+
+
+def test_a_mixed_strategy_places_each_blocks_policy_and_gives_the_same_answer():
+    """`benchmarks/strategies.py`'s per-block strategies (hand-placed plans the accelerator check
+    times against smartremat's): each block under its named policy, the attention alone under
+    `attn:<policy>`, the loss and gradient of no remat; a spec of the wrong length is refused."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.models import SequenceGPT, sequence_gpt_loss
+    from benchmarks.strategies import Ckpt, strategy
+    from tests.helpers import tree_allclose
+
+    model = SequenceGPT(layers=3, d=16, heads=2, seq=8, vocab=32, key=jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 32)
+    mixed = strategy(model, "attn:dots_nb+full*1+none", lambda m: m.blocks)
+    assert isinstance(mixed.blocks[0].attn, Ckpt) and not isinstance(mixed.blocks[0], Ckpt)
+    assert isinstance(mixed.blocks[1], Ckpt) and type(mixed.blocks[2]) is type(model.blocks[2])
+    grad = lambda m: eqx.filter_value_and_grad(sequence_gpt_loss)(m, tokens)  # noqa: E731
+    (l0, g0), (l1, g1) = grad(model), grad(mixed)
+    unwrap = lambda t: t.module if isinstance(t, Ckpt) else t  # noqa: E731
+    g1 = jax.tree.map(unwrap, g1, is_leaf=lambda t: isinstance(t, Ckpt))
+    assert jnp.allclose(l0, l1, rtol=1e-6) and tree_allclose(eqx.filter(g0, eqx.is_array), eqx.filter(g1, eqx.is_array))
+    with pytest.raises(ValueError, match=r"strategy 'dots_nb\*2': 2 policies of .* for 3 blocks"):
+        strategy(model, "dots_nb*2", lambda m: m.blocks)
+    with pytest.raises(ValueError, match=r"strategy 'dots_nb\+sometimes\+none': 3 policies of"):
+        strategy(model, "dots_nb+sometimes+none", lambda m: m.blocks)

@@ -5,6 +5,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+import numpy as np
 import pytest
 
 import smartremat
@@ -307,3 +308,30 @@ def test_quiet_donation_holds_while_any_thread_is_inside_it():
     assert seen == ["quiet"]
     with pytest.raises(UserWarning, match="donated buffers"):
         warnings.warn("Some donated buffers were not usable: float32[4]", UserWarning)
+
+
+def _variants() -> list:
+    """Calls of one step that differ in one thing each (or in nothing but the arrays' values)."""
+    x = jnp.ones((4, 3))
+    return [(x, 2), (jnp.zeros((4, 3)), 2), (x, 3), (x.astype(jnp.float16), 2), (jnp.ones((4, 4)), 2),
+            (jnp.asarray(1.0), 2), (jnp.float32(1.0), 2), (np.ones((4, 3), np.float32), 2),
+            (jax.device_put(x, jax.devices()[0]), 2), (jax.ShapeDtypeStruct((4, 3), jnp.float32), 2),
+            ({"a": x}, 2), (jax.random.key(0), 2)]
+
+
+def test_a_call_is_found_by_its_quick_key_only_where_its_signature_is_the_same():
+    """`quick_split`'s key (read from the leaves without making avals, what each call of a planned
+    step computes) is never equal where the signature differs, and equal for new arrays of the
+    same shapes, so each training step finds its entry without the signature being made."""
+    f = lambda a, n: a  # noqa: E731
+    calls = _variants()
+    quick = [_step.quick_split(f, c, {})[0] for c in calls]
+    full = [_step.split_args(f, c, {})[0].key() for c in calls]
+    for i in range(len(calls)):
+        for j in range(len(calls)):
+            if quick[i] == quick[j]:
+                assert full[i] == full[j], (calls[i], calls[j])
+    assert quick[0] == quick[1] and quick[0] != quick[2] and quick[0] != quick[3] and quick[5] != quick[6]
+    inside = []
+    jax.jit(lambda a: inside.append(_step.quick_split(f, (a, 2), {})[0]) or a)(jnp.ones(2))
+    assert inside == [None], "under an outer jit the leaves are tracers: the full signature decides"
