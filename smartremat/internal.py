@@ -37,11 +37,13 @@ from ._profile import calibration as calibration
 from ._profile import chainable as chainable
 from ._profile import chain_job as chain_job
 # the whole-step planner's tail and verification: studies/step_model.py
+from ._step import quick_split as quick_split
+from ._step import split_args as split_args
 from ._step_plan import tail as tail
 from ._planner import verified as verified
 
 __all__ = [
-    "round_orders", "synthetic", "TimedRun", "timings", "Stage", "peak_of", "solve", "frontier",
+    "quick_split", "split_args", "round_orders", "synthetic", "TimedRun", "timings", "Stage", "peak_of", "solve", "frontier",
     "frontier_by_solving", "measuring_options", "profiling_options", "compiled_temp", "compiled_temps",
     "calibration", "chainable", "chain_job", "tail", "verified",
 ]
