@@ -23,13 +23,16 @@ freed, so runs are sequential, not interleaved: one training state of this model
 chip. Rows: compiled temp bytes, compile (or first call) seconds, step time, model FLOPs utilisation
 (6 N + 12 L T d FLOPs per token against the chip's peak, `--peak-tflops`), the process's
 `peak_bytes_in_use`, and the largest difference from the reference run (full remat) of the loss,
-gradients and parameters, per leaf over its largest value. For smartremat also: the plan, its
+gradients and parameters, per leaf over its largest value, and whether they are within the
+gradient standard (`benchmarks/answers.py`, in ulps of the least precise dtype the step computes in:
+bfloat16 on a TPU unless `--precision highest`). For smartremat also: the plan, its
 budget, predicted and compiled figures, the lowest reachable figure, and the first call against the
 fastest fitting fixed strategy's compile.
 
 The figures go to `<out>/accelerator_check_<device>_<layout>_<dtype>_batch<B>.json` and `.md`;
 `--merge` adds this call's runs to that file's (a check larger than one device call, run in parts;
-differences are from the reference run of the same call). The file is written after each run.
+differences are from the reference run of the same call). The file is written after each run, and
+after each comparison with the reference, which come last (minutes each on a model this size).
 A strategy may also be a plan placed by hand, one policy per block in order
 (`benchmarks.strategies.mixed`, e.g. `"attn:dots_nb*3+dots_nb*18+none*3"`: `attn:` puts the block's
 attention alone under the policy), to time smartremat's plan against the same plan without smartremat.
@@ -62,11 +65,13 @@ import numpy as np
 import optax
 
 import smartremat
+from benchmarks.answers import tree_mismatches
 from benchmarks.models import SequenceGPT, sequence_gpt_loss
 from benchmarks.strategies import strategy
 
 MB = smartremat.MB
-OPT = optax.adam(1e-4)
+LR = 1e-4
+OPT = optax.adam(LR)
 SIZES = {"gpt2-medium": dict(layers=24, d=1024, heads=16, seq=1024, vocab=32768),
          "tiny": dict(layers=3, d=32, heads=2, seq=32, vocab=64)}
 #: Peak dense bf16 FLOP/s per chip, by `device_kind` (Google's figures); others need --peak-tflops.
@@ -111,6 +116,7 @@ class Check:
         self.flops = 6 * n * tokens + 12 * shape["layers"] * shape["seq"] * shape["d"] * tokens
         self.parameters = n
         self.kept: dict[str, tuple] = {}
+        self.compute = compute_dtype(dtype)
 
     def fresh(self, name: str) -> tuple[Any, Any]:
         model = eqx.combine(jax.tree.map(jnp.asarray, self.params), self.static)
@@ -188,12 +194,26 @@ def plan_row(row: dict, check: Check) -> None:
                policies=" ".join(b.policy for b in plan.blocks), explain=str(plan))
 
 
+def compute_dtype(dtype: str) -> str:
+    """The least precise dtype the step computes in: a TPU multiplies float32 in bfloat16 passes
+    unless the matmul precision is `highest`."""
+    precision = jax.config.jax_default_matmul_precision or ""
+    tpu = jax.default_backend() == "tpu" and precision not in ("highest", "float32")
+    return "bfloat16" if tpu else dtype
+
+
 def differences(check: Check, name: str) -> dict:
+    """The largest differences from the reference run (per leaf over its largest value), and
+    whether they are within the gradient standard (`benchmarks.answers.tree_mismatches`: loss,
+    Adam's first moment, new parameters; in ulps of `compute_dtype`)."""
     if name not in check.kept or REFERENCE not in check.kept:
         return {}
     (l0, g0, p0), (l1, g1, p1) = check.kept[REFERENCE], check.kept[name]
     worst = lambda a, b: max(float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30)) for x, y in zip(a, b))  # noqa: E731
-    return {"loss_diff": abs(l1 - l0) / abs(l0), "grad_diff": worst(g1, g0), "param_diff": worst(p1, p0)}
+    mismatches = tree_mismatches((np.float32(l1), g1, p1), (np.float32(l0), g0, p0), grads=(g1, g0),
+                                 compute_dtype=check.compute, step_size=LR)
+    return {"loss_diff": abs(l1 - l0) / abs(l0), "grad_diff": worst(g1, g0), "param_diff": worst(p1, p0),
+            "answer": "same" if not mismatches else f"{len(mismatches)} leaves differ; {mismatches[0]}"}
 
 
 def derived(result: dict, check_flops: float, peak: float | None) -> None:
@@ -224,7 +244,7 @@ def check(size: str, layout: str, dtype: str, batch: int, budgets: list[str], na
     result.update(device=device.device_kind, platform=device.platform, jax=jax.__version__,
                   equinox=eqx.__version__, smartremat_version=smartremat.__version__,
                   bytes_limit=(device.memory_stats() or {}).get("bytes_limit"), xla_flags=os.environ.get("XLA_FLAGS", ""),
-                  matmul_precision=precision or "default",
+                  matmul_precision=precision or "default", compute_dtype=c.compute,
                   model=f"SequenceGPT {size} ({layout}, {dtype}), {c.parameters / 1e6:.0f} M parameters, batch {batch}, "
                         "Adam, donated", flops_per_step=c.flops, peak_tflops=peak, steps=steps)
     result["commands"].append(command)
@@ -236,9 +256,13 @@ def check(size: str, layout: str, dtype: str, batch: int, budgets: list[str], na
         plan_row(row, c)
         result["runs"][name] = row
         print(f"{name}: {_short(row)}", flush=True)
-        for other, kept in result["runs"].items():  # differences within this call (its reference)
-            kept.update(differences(c, other))
         derived(result, c.flops, peak)
+        write(path, result)
+    # Then the differences from this call's reference, once each run has been timed: on this model
+    # one comparison takes minutes of the host's time (370 M entries twice, in float64).
+    for other in (n for n in c.kept if n != REFERENCE):
+        result["runs"][other].update(differences(c, other))
+        print(f"{other}: {result['runs'][other].get('answer', '-')}", flush=True)
         write(path, result)
     return result
 
@@ -264,19 +288,20 @@ def markdown(r: dict) -> str:
              f"equinox {r['equinox']}, smartremat {r['smartremat_version']}, XLA_FLAGS=`{r['xla_flags']}`, matmul precision "
              f"{r.get('matmul_precision', 'default')}; "
              f"median of {r['steps']} steps after the first; MFU at {r['peak_tflops']} TFLOP/s; differences from "
-             f"`{REFERENCE}` (loss, gradient, parameters after one step; per leaf over its largest value)", ""]
+             f"`{REFERENCE}` (loss, gradient, parameters after one step; per leaf over its largest value); same answer: "
+             f"within the gradient standard (`benchmarks/answers.py`, in {r.get('compute_dtype', '?')} ulps)", ""]
     lines += [f"    python {c}" for c in r["commands"]] + ["",
               "| run | temp MB | compile / first call s | step ms | of which host ms | / fastest fixed | MFU | peak in use MB "
-              "| loss diff | grad diff | param diff |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| loss diff | grad diff | param diff | same answer |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, x in r["runs"].items():
         if "refused" in x:
-            lines.append(f"| {name} | refused: {x['refused']} | {x['first_s']:.1f} | - | - | - | - | - | - | - | - |")
+            lines.append(f"| {name} | refused: {x['refused']} | {x['first_s']:.1f} | - | - | - | - | - | - | - | - | - |")
             continue
         first = x.get("compile_s", x.get("first_s"))
         lines.append(f"| {name} | {_f(x.get('temp_mb'), '.1f')} | {_f(first, '.1f')} | {_f(x.get('step_s'), '.1f', 1e3)} "
                      f"| {_f(x.get('host_s'), '.1f', 1e3)} | {_f(x.get('vs_fastest_fixed'), '.3f')} | {_f(x.get('mfu'), '.1%')} "
                      f"| {_f(x.get('peak_bytes_in_use'), '.0f', 1 / MB)} | {_f(x.get('loss_diff'), '.1e')} "
-                     f"| {_f(x.get('grad_diff'), '.1e')} | {_f(x.get('param_diff'), '.1e')} |")
+                     f"| {_f(x.get('grad_diff'), '.1e')} | {_f(x.get('param_diff'), '.1e')} | {x.get('answer', '-')} |")
     for name, x in r["runs"].items():
         if name.startswith("smartremat") and "explain" in x:
             lines += ["", f"## {name}: budget {x['budget_mb']:.0f} MB, predicted {x['predicted_mb']:.0f} MB, compiled "

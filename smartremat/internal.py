@@ -9,7 +9,7 @@ every smartremat module that holds it), not to be called.
 - the memory model and its solver: `Stage`, `peak_of`, `solve`, `frontier`, `frontier_by_solving`;
 - the compiles that profile a block and measure a step: `measuring_options`, `profiling_options`,
   `compiled_temp`, `compiled_temps`, `calibration`, `chainable`, `chain_job`;
-- the whole-step planner: `tail`, `verified`.
+- the whole-step planner: `tail`, `verified`; a compile the device refuses, `Refused`.
 """
 
 # timing as `tune=True` times: run.py, studies/timing_order.py, timing_noise.py, tune_vs_bench.py
@@ -41,9 +41,11 @@ from ._step import quick_split as quick_split
 from ._step import split_args as split_args
 from ._step_plan import tail as tail
 from ._planner import verified as verified
+# a compile the device refuses for memory: studies/step_model.py
+from ._refused import Refused as Refused
 
 __all__ = [
     "quick_split", "split_args", "round_orders", "synthetic", "TimedRun", "timings", "Stage", "peak_of", "solve", "frontier",
     "frontier_by_solving", "measuring_options", "profiling_options", "compiled_temp", "compiled_temps",
-    "calibration", "chainable", "chain_job", "tail", "verified",
+    "calibration", "chainable", "chain_job", "tail", "verified", "Refused",
 ]

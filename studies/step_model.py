@@ -2,6 +2,12 @@
 (`tests/real/`, each model's own loss and gradient, as `tests/test_real.py` plans them).
 
     python studies/step_model.py [--models vit bert nanogpt] [--random 6] [--seed 0]
+    python studies/step_model.py --check scanned bfloat16 8   # on an accelerator
+
+`--check LAYOUT DTYPE BATCH` studies the accelerator check's GPT-2-medium step instead
+(`benchmarks/accelerator_check.py`: Adam, donated), where the step without remat may be refused:
+a plan the device refuses is a row with the compiler's figure, and the tail is calibrated on the
+reference the planner compiled (its choice is printed).
 
 Per model: the uniform plans (one menu entry on every block) and `--random` plans (a random entry
 per block; one per scan run), each compiled as the user's step, beside two predictions from the
@@ -29,21 +35,21 @@ import jax
 
 import smartremat
 from benchmarks.common import replaced
-from smartremat.internal import Stage, peak_of, tail, verified
+from smartremat.internal import Refused, Stage, peak_of, tail, verified
 
 os.environ.setdefault("SMARTREMAT_DISK_CACHE", "0")  # every run measures, none reads an old plan
 MB = smartremat.MB
 
 
-def _captured(step, model, batch) -> dict:
+def _captured(step, *args) -> dict:
     """The joined model before and after `tail`, the compiled temp without remat, and the
     planner's own measure of a choice (the user's step, compiled), from planning at a budget
     every plan fits."""
     got: dict = {}
 
-    def tailed(m, temp):
-        got["before"], got["temp"] = m, temp
-        got["after"] = tail(m, temp)
+    def tailed(m, temp, choice=None):
+        got["before"], got["temp"], got["choice"] = m, temp, choice
+        got["after"] = tail(m, temp, choice)
         return got["after"]
 
     def capture(m, config, target, *a, **k):
@@ -51,7 +57,7 @@ def _captured(step, model, batch) -> dict:
         return verified(m, config, target, *a, **k)
 
     with replaced(tail, tailed), replaced(verified, capture):
-        smartremat.filter_jit(step, budget_mb=1e6).plan(model, batch)
+        smartremat.filter_jit(step, budget_mb=1e6, donate="all").plan(*args)
     return got
 
 
@@ -67,28 +73,51 @@ def _choices(stages: tuple[Stage, ...], n_random: int, seed: int) -> list[tuple[
     return list(dict.fromkeys(out))
 
 
-def _report(name: str, n_random: int, seed: int) -> tuple[list[float], list[float]]:
+def _real(name: str) -> tuple:
     from tests.real import bert, nanogpt, resnet, unet, vit
     from tests.test_real import make_step
 
     module = {m.NAME: m for m in (unet, bert, vit, nanogpt, resnet)}[name]
-    model, batch = module.make(jax.random.PRNGKey(0))
+    return (make_step(module), *module.make(jax.random.PRNGKey(0)))
+
+
+def _check(size: str, layout: str, dtype: str, batch: int) -> tuple:
+    from benchmarks.accelerator_check import Check, step
+
+    c = Check(size, layout, dtype, batch)
+    return (step, *c.fresh("smartremat"), c.tokens)
+
+
+def _measured(measure, choice: tuple[int, ...]) -> tuple[float | None, str]:
+    try:
+        return measure(choice)[0], ""
+    except Refused as e:
+        return None, f"refused: {e.message[:90]}"
+
+
+def _report(name: str, args: tuple, n_random: int, seed: int, split: bool) -> tuple[list[float], list[float]]:
     t0 = time.perf_counter()
-    got = _captured(make_step(module), model, batch)
+    got = _captured(*args)
     before, after = got["before"], got["after"]
     none = (0,) * len(before.stages)
-    const = max(got["temp"] - peak_of(before.stages, none), 0)
-    print(f"\n== {name} == {len(before.stages)} stages; step without remat {got['temp'] / MB:.3f} MB; "
-          f"glue residuals {after.fixed_bytes / MB:.4f} MB; constant {const / MB:.3f} MB")
+    const = max(got["temp"] - peak_of(before.stages, got["choice"] or none), 0)
+    print(f"\n== {name} == {len(before.stages)} stages; reference {got['choice'] or 'without remat'} "
+          f"{got['temp'] / MB:.3f} MB; glue residuals {after.fixed_bytes / MB:.4f} MB; constant {const / MB:.3f} MB")
     print(f"{'plan':>28} | {'compiled MB':>11} | {'constant MB':>11} {'err':>7} | {'tail MB':>8} {'err':>7}")
     errs_c, errs_t = [], []
-    for c in _choices(before.stages, n_random, seed):
-        temp = got["measure"](c)[0]
+    choices = _choices(before.stages, n_random, seed)
+    choices += [(*c[:-1], 0) for c in choices if split and c[-1]]  # the last block alone without remat
+    for c in choices:
+        temp, refused = _measured(got["measure"], c)
         a = peak_of(before.stages, c) + const
         b = peak_of(after.stages, c) + after.fixed_bytes
+        shown = str(c) if len(c) <= 8 else f"{c[:2]}..{c[-2:]}"
+        if temp is None:
+            print(f"{shown:>28} | {refused} | {a / MB:11.3f} | {b / MB:8.3f}")
+            continue
         errs_c.append((a - temp) / temp)
         errs_t.append((b - temp) / temp)
-        print(f"{str(c):>28} | {temp / MB:11.3f} | {a / MB:11.3f} {errs_c[-1]:+7.3f} | {b / MB:8.3f} {errs_t[-1]:+7.3f}")
+        print(f"{shown:>28} | {temp / MB:11.3f} | {a / MB:11.3f} {errs_c[-1]:+7.3f} | {b / MB:8.3f} {errs_t[-1]:+7.3f}")
     for label, e in (("constant", errs_c), ("tail", errs_t)):
         a = [abs(x) for x in e]
         print(f"{name} {label}: |error| median {statistics.median(a):.3f}, max {max(a):.3f} over {len(a)} plans")
@@ -101,11 +130,19 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["vit", "bert", "nanogpt"])
     parser.add_argument("--random", type=int, default=6, help="random plans per model")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--check", nargs=3, metavar=("LAYOUT", "DTYPE", "BATCH"), default=None,
+                        help="the accelerator check's GPT-2-medium step instead (e.g. scanned bfloat16 8)")
+    parser.add_argument("--size", default="gpt2-medium", help="with --check: its --size (tiny on the CPU)")
     args = parser.parse_args()
     print(f"jax {jax.__version__}, backend {jax.default_backend()} ({jax.devices()[0].device_kind}), "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    if args.check:
+        layout, dtype, batch = args.check
+        _report(f"{args.size} {layout} {dtype} batch {batch}", _check(args.size, layout, dtype, int(batch)), 0,
+                args.seed, True)
+        return
     for name in args.models:
-        _report(name, args.random, args.seed)
+        _report(name, _real(name), args.random, args.seed, False)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@ the rules of the `tune=True` study (`studies/tune_rules.py`)."""
 
 import json
 import sys
+import types
 
+import numpy as np
 import pytest
 
 
@@ -149,6 +151,10 @@ def test_the_accelerator_check_runs_tiny_on_a_simulated_chip(tmp_path, standard_
     smart = runs["smartremat auto"]
     assert smart["temp_mb"] <= smart["budget_mb"] and smart["policies"] and smart["explain"]
     assert max(smart["loss_diff"], smart["grad_diff"], smart["param_diff"]) < 1e-5
+    assert smart["answer"] == "same" and written["compute_dtype"] == "float32"
+    g, p = np.linspace(-1.0, 1.0, 8, dtype=np.float32), np.ones(8, np.float32)
+    moved = types.SimpleNamespace(kept={"full": (1.0, [g], [p]), "x": (1.0, [g * 1.01], [p])}, compute="float32")
+    assert accelerator_check.differences(moved, "x")["answer"].startswith("1 leaves differ; [1][0]: 8 of 8 entries")
     assert smart["step_s"] > 0 and smart["vs_fastest_fixed"] is not None and written["fastest_fitting_fixed"] == "full"
     with pytest.raises(SystemExit, match="--strategies none: the reference of the differences, full, is needed"):
         accelerator_check.main(["--size", "tiny", "--strategies", "none", "--out", str(tmp_path)])
@@ -173,7 +179,7 @@ def test_a_mixed_strategy_places_each_blocks_policy_and_gives_the_same_answer():
     mixed = strategy(model, "attn:dots_nb+full*1+none", lambda m: m.blocks)
     assert isinstance(mixed.blocks[0].attn, Ckpt) and not isinstance(mixed.blocks[0], Ckpt)
     assert isinstance(mixed.blocks[1], Ckpt) and type(mixed.blocks[2]) is type(model.blocks[2])
-    grad = lambda m: eqx.filter_value_and_grad(sequence_gpt_loss)(m, tokens)  # noqa: E731
+    grad = eqx.filter_jit(lambda m: eqx.filter_value_and_grad(sequence_gpt_loss)(m, tokens))
     (l0, g0), (l1, g1) = grad(model), grad(mixed)
     unwrap = lambda t: t.module if isinstance(t, Ckpt) else t  # noqa: E731
     g1 = jax.tree.map(unwrap, g1, is_leaf=lambda t: isinstance(t, Ckpt))

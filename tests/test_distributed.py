@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests.helpers import tier
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -35,8 +37,11 @@ def _job(tmp_path, tune: bool, via: str) -> list[dict]:
     return [json.loads((tmp_path / f"{p}.json").read_text()) for p in (0, 1)]
 
 
-@pytest.mark.parametrize("tune, via", [(False, "store"), (True, "store"), (False, "broadcast")],
-                         ids=["default", "tune", "public-broadcast"])
+# `make test` (CI) runs "tune" (the store, timed) and "public-broadcast" (not timed): together
+# they cover what "default" checks (about a minute of two processes each).
+@pytest.mark.parametrize("tune, via", [pytest.param(*v, id=i) for i, v in tier(
+    [("default", (False, "store")), ("tune", (True, "store")), ("public-broadcast", (False, "broadcast"))],
+    ci=[("tune", (True, "store")), ("public-broadcast", (False, "broadcast"))])])
 def test_two_processes_plan_once_and_run_the_same_plan(tmp_path, tune, via):
     first, second = _job(tmp_path, tune, via)
     assert (first["made"], second["made"]) == (1, 0)  # process 0 plans, process 1 only reads its plan
