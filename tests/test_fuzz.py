@@ -118,6 +118,22 @@ def test_case_2026_212_now_agrees_in_float32():
     assert "rule 6" not in outcome.figures, outcome.figures["rule 6"]
 
 
+CASE_20261208_36 = Case(seed=0, layout="loop", block="linear", vmap="outer", norm="batchnorm", dropout=False,
+                       control="none", dtype="f32", method="call", kwargs=False, inputs="array", outputs="array",
+                       wrapper=False, loss="mse", step="value_and_grad", accum="none", donate=False,
+                       path="decorator", width=8, batch=16, depth=3, budget=0.25)
+
+
+def test_case_20261208_36_rule_6_runs_the_decorators_plans_in_float64():
+    """A float32 difference under the decorator (`w2.bias` right before a BatchNorm, 1 of 8
+    entries, 1.5e-6 of its scale) is judged by rule 6: the wrapper's plans are recorded on the
+    float32 call, not traced under the float64 run (where the BatchNorm's float32 state refused
+    its float64 update, so no float64 answer was made and the case failed)."""
+    outcome = check_case(CASE_20261208_36)
+    assert outcome.ok, f"{CASE_20261208_36}\n{outcome.report()}"
+    assert "rule 6" in outcome.figures  # the float32 difference was there, and judged rounding
+
+
 def _step_outputs(grad: np.ndarray, dtype: Any) -> tuple:
     """A value_and_grad step's outputs: `(loss, {"w": grad})` (numpy arrays, as from the device)."""
     return np.asarray(0.5, dtype), {"w": np.asarray(grad, dtype)}
