@@ -50,7 +50,9 @@ class MemoryModel:
 
     A scanned call gives one stage per iteration, in the order the scan runs them; `owner[i]`
     is the index of stage `i`'s call; `menus[c]` are call `c`'s options (the policy menu, then
-    its nested options), indexed like its stage's figures.
+    its nested options), indexed like its stage's figures. `refined_on` are the choices of the
+    programs the model was refined on (`after_stage`): the device compiled them, so they are
+    candidates at no cost, even where the refined model rules them out.
     """
 
     calls: tuple[BlockCall, ...]
@@ -59,6 +61,7 @@ class MemoryModel:
     fixed_bytes: int
     owner: tuple[int, ...]
     menus: tuple[tuple, ...]
+    refined_on: tuple[tuple[int, ...], ...] = ()
 
 
 def _option_of(profile: BlockProfile, option: Option) -> PolicyProfile:

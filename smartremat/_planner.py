@@ -139,8 +139,8 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
 
     Candidates are the model's Pareto frontier (at most `MAX_CANDIDATES` points, spread evenly;
     above `_MAX_FRONTIER_STAGES` stages, where enumerating it is too slow, only the lowest-peak
-    choice `lowest` and the model's choice `sol`) and the uniform plans the model does not rule
-    out (`_search`). "Cheapest" is the fewest compiled FLOPs, or the model's FLOPs when a block
+    choice `lowest` and the model's choice `sol`), the programs the model was refined on
+    (`MemoryModel.refined_on`), and the uniform plans the model does not rule out (`_search`). "Cheapest" is the fewest compiled FLOPs, or the model's FLOPs when a block
     is scanned (XLA's cost analysis counts a loop body once, docs/facts.md fact 7), plus on an
     accelerator the model's charge for the bytes the plan keeps (`_objective`, fact 22).
 
@@ -151,7 +151,6 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
     measure, confirm, time_of = _measures(model, config, target, refused)
     stages = model.stages
     front = frontier(stages) if len(stages) <= _MAX_FRONTIER_STAGES else sorted({lowest, sol}, key=lambda s: s.peak)
-    points = spread(front, MAX_CANDIDATES)
     looped = any(st.run is not None for st in stages)
 
     def rank(choice: tuple[int, ...], flops: float) -> float:  # the compiled FLOPs, charged for kept bytes
@@ -164,6 +163,9 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
         return objective_of(stages, choice)
 
     uniforms = list(dict.fromkeys(uniform(model, p) for p in config.policies))
+    # a program the model was refined on is a candidate too (compiled already): where the device
+    # refuses every plan the refined model leaves on its frontier, it may be the one that fits
+    points = sorted(dict.fromkeys([*(p.choice for p in spread(front, MAX_CANDIDATES)), *model.refined_on]), key=peak)
 
     def error(floor: float) -> Exception:
         if not math.isfinite(floor):  # nothing compiled: every candidate refused (or not built)
@@ -171,10 +173,10 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
         e = target.too_low(config, model, int(floor), compiled=True)
         return ValueError(f"{e}{REFUSED_NOTE.format(n=len(refused))}") if refused and isinstance(e, ValueError) else e
 
-    out = search([p.choice for p in points], uniforms, Estimates(peak, objective), config.budget_bytes, measure, rank,
+    out = search(points, uniforms, Estimates(peak, objective), config.budget_bytes, measure, rank,
                  error, progress, confirm)
     if config.tune:
-        out = _fastest(out, [p.choice for p in points], uniforms, config, measure, confirm, time_of, peak, progress)
+        out = _fastest(out, points, uniforms, config, measure, confirm, time_of, peak, progress)
     return Solution(out.choice, peak_of(stages, out.choice), objective_of(stages, out.choice)), out
 
 
@@ -186,7 +188,7 @@ REFUSED_NOTE = (" Besides, {n} candidate plan(s) did not fit the device's memory
 def no_plan_fits(name: str, refused: list[Refused]) -> ValueError:
     """Every candidate compiled was refused by the device: no budget helps; what each needed."""
     needs = sorted({r.needed for r in refused if r.needed})
-    least = f" (the least any needed: {needs[0] / MB:.1f} MB)" if needs else ""
+    least = f" (the least any needed: {needs[0] / MB:.{1 if needs[0] >= MB else 4}f} MB)" if needs else ""
     first = refused[0].message if refused else "no candidate could be built"
     return ValueError(
         f"smartremat: the step of {name} does not fit the device's memory under any remat plan tried: "

@@ -77,7 +77,9 @@ class StepTarget:
         if self.options.auto:
             budget = auto_budget(self.sig, base, "smartremat.filter_jit", self.limit)
             config = dataclasses.replace(config, budget_bytes=budget, budget_mb=budget / MB)
-        return (model if choice is None else tail(model, base.temp, choice)), config
+        if choice is None:
+            return model, config
+        return dataclasses.replace(tail(model, base.temp, choice), refined_on=(choice,)), config
 
     def abstract_figures(self) -> StepFigures:
         """The step's figures without a compiled program (every reference refused): its arguments
@@ -97,13 +99,20 @@ class StepTarget:
         where the device refuses it for memory (XLA:TPU, docs/facts.md fact 21), the model's choice
         of lowest peak with the last block without remat (what follows that block then runs beside
         its kept bytes, as without remat); where that is refused too, the lowest choice itself.
+        Where the last block is an iteration of a scan, the lowest choice comes first: leaving the
+        last iteration without remat splits the scan, a program unlike the candidates' (on XLA:TPU
+        calibrated on it, the rest of the step came out 0.9 GB below what the whole scan shows: docs/fit.md).
         Where every one is refused, the last refusal is raised (`_refused.Refused`): the model's
         lowest choice is not always the compiler's (a user's own checkpoints, a `cond`), so the
         search goes on with the model unrefined (and `budget_mb="auto"` on `abstract_figures`)."""
         lowest = min_peak(model.stages).choice
         plain = (0,) * len(lowest)
-        choices = {plain: "", (*lowest[:-1], 0): "the model's lowest plan, its last block without remat"}
-        if peak_at(model.stages, lowest)[1] == len(lowest) - 1:  # else the tail does not set its peak
+        choices: dict[tuple[int, ...], str] = {plain: ""}
+        at_last = peak_at(model.stages, lowest)[1] == len(lowest) - 1  # else the tail does not set its peak
+        if at_last and model.stages[-1].run is not None:
+            choices[lowest] = "the model's lowest plan"
+        choices.setdefault((*lowest[:-1], 0), "the model's lowest plan, its last block without remat")
+        if at_last:
             choices.setdefault(lowest, "the model's lowest plan")
         refused = Refused(None, "no reference step")
         for choice, described in choices.items():

@@ -41,10 +41,11 @@ os.environ.setdefault("SMARTREMAT_DISK_CACHE", "0")  # every run measures, none 
 MB = smartremat.MB
 
 
-def _captured(step, *args) -> dict:
-    """The joined model before and after `tail`, the compiled temp without remat, and the
-    planner's own measure of a choice (the user's step, compiled), from planning at a budget
-    every plan fits."""
+def _captured(step, *args, donate: str = "none") -> dict:
+    """The joined model before and after `tail`, the compiled temp of the reference step (without
+    remat, or the plan `StepTarget.reference` fell back to), and the planner's own measure of a
+    choice (the user's step, compiled), from planning at a budget every plan fits; the arguments
+    donated as `donate` says (the accelerator check's step donates them all)."""
     got: dict = {}
 
     def tailed(m, temp, choice=None):
@@ -57,7 +58,7 @@ def _captured(step, *args) -> dict:
         return verified(m, config, target, *a, **k)
 
     with replaced(tail, tailed), replaced(verified, capture):
-        smartremat.filter_jit(step, budget_mb=1e6, donate="all").plan(*args)
+        smartremat.filter_jit(step, budget_mb=1e6, donate=donate).plan(*args)
     return got
 
 
@@ -95,9 +96,10 @@ def _measured(measure, choice: tuple[int, ...]) -> tuple[float | None, str]:
         return None, f"refused: {e.message[:90]}"
 
 
-def _report(name: str, args: tuple, n_random: int, seed: int, split: bool) -> tuple[list[float], list[float]]:
+def _report(name: str, args: tuple, n_random: int, seed: int, split: bool,
+            donate: str = "none") -> tuple[list[float], list[float]]:
     t0 = time.perf_counter()
-    got = _captured(*args)
+    got = _captured(*args, donate=donate)
     before, after = got["before"], got["after"]
     none = (0,) * len(before.stages)
     const = max(got["temp"] - peak_of(before.stages, got["choice"] or none), 0)
@@ -139,7 +141,7 @@ def main() -> None:
     if args.check:
         layout, dtype, batch = args.check
         _report(f"{args.size} {layout} {dtype} batch {batch}", _check(args.size, layout, dtype, int(batch)), 0,
-                args.seed, True)
+                args.seed, True, donate="all")
         return
     for name in args.models:
         _report(name, _real(name), args.random, args.seed, False)

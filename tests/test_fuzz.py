@@ -238,6 +238,21 @@ def test_adams_step_on_a_zero_gradient_is_judged_on_the_gradient():
     assert {m.split(":")[0] for m in found} == {"[1]['b']", "[1][0].mu['b']"}  # the moments: outputs but [1]
 
 
+#: Seed 20261208, case 198, shrunk: a Dropout called twice; the step without remat is refused, and
+#: the reference (the first call under `dots`, the second without remat) fits the chip, but the
+#: model refined on it left only `(dots, dots)` on its frontier, and that and no remat were refused:
+#: planning said no plan fits. A program the model was refined on is now a candidate too.
+REFERENCE_FITS = Case(layout="loop", block="mlp", dropout=True, control="fori", loss="mse", step="value_and_grad",
+                      path="filter_jit", width=8, batch=4, depth=1, budget=0.5, chip="tight")
+
+
+def test_case_20261208_198_the_reference_that_fits_the_chip_is_a_candidate():
+    assert normalise(REFERENCE_FITS) == REFERENCE_FITS
+    outcome = check_case(REFERENCE_FITS)
+    assert outcome.ok, outcome.report()
+    assert outcome.figures["chip_refused"] >= 1  # the chip refused something: the case is under pressure
+
+
 #: Seed 20261207, case 82, shrunk (older than the objective change: it fails on cc61669 too). The
 #: decorator verifies plans on the module's gradient under its default losses, whose targets are
 #: arguments: a few hundred bytes more than the user's step, which the tight chip holds exactly

@@ -18,7 +18,8 @@ from smartremat import MB
 from smartremat._memory import Stage, peak_of
 from smartremat._model import MemoryModel
 from smartremat._refused import Refused, compile_or_refuse, needed_bytes, refusal
-from smartremat._step_plan import tail
+from smartremat._planner import no_plan_fits
+from smartremat._step_plan import REFERENCE_NOTE, tail
 
 from benchmarks.models import TutorialStack
 from tests.helpers import FULL, tree_allclose
@@ -87,6 +88,22 @@ def test_filter_jit_plans_where_no_remat_is_refused(pressured, budget):
     assert plan.compiled_peak_bytes is not None and plan.compiled_peak_bytes <= plan.budget_bytes
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_rest_of_the_step_is_measured_on_a_whole_scan(name):
+    """Where the step without remat is refused, the reference is the lowest plan with its last
+    block without remat, except where that block is an iteration of a scan: leaving it out of
+    remat splits the scan, a program unlike the candidates' (docs/fit.md, "Where the scanned model
+    errs"). The chip here holds that split program, and refuses only the step without remat."""
+    args = _args(MODELS[name])
+    m = _memory(eqx.filter_jit(step, donate="all"), args)
+    with simulated_chip(int(_total(m) - 0.1 * m.temp_size_in_bytes)) as chip:
+        plan = smartremat.filter_jit(step, budget_mb=m.temp_size_in_bytes / MB, donate="all").plan(*args)
+    assert chip.refused
+    split = REFERENCE_NOTE.format(plan="the model's lowest plan, its last block without remat")
+    expected = REFERENCE_NOTE.format(plan="the model's lowest plan") if name == "scanned" else split
+    assert expected in plan.notes, plan.notes
+
+
 def test_a_device_that_compiles_too_large_programs(pressured):
     """As XLA:GPU: a program larger than the device compiles (and would fail at run time). A
     candidate whose compiled figures exceed the device's memory does not fit, whatever the budget."""
@@ -132,6 +149,15 @@ def test_decorator_where_candidates_are_refused():
     assert plan.checked and all(compiled <= hbm for _, compiled in plan.checked)
     assert _total(_memory(eqx.filter_jit(eqx.filter_grad(loss)), (wrapped,))) <= hbm  # the step that ran
     assert tree_allclose(grads.module, expected)
+
+
+@pytest.mark.parametrize("needed, said", [(int(19.40 * 2**30), "19865.6 MB"), (8550, "0.0082 MB")])
+def test_no_plan_fits_states_the_least_any_needed(needed, said):
+    """The least figure a refusal named, also for a program of a few kilobytes (not "0.0 MB")."""
+    refused = [Refused(needed + 1000, "RESOURCE_EXHAUSTED: ..."), Refused(needed, "RESOURCE_EXHAUSTED: ...")]
+    with pytest.raises(ValueError, match=rf"2 candidate plan\(s\), full remat among them, did not fit it "
+                                         rf"\(the least any needed: {said}\)"):
+        raise no_plan_fits("step", refused)
 
 
 def test_no_plan_fits_the_chip():
