@@ -52,7 +52,7 @@ class MemoryModel:
     is the index of stage `i`'s call; `menus[c]` are call `c`'s options (the policy menu, then
     its nested options), indexed like its stage's figures. `refined_on` are the choices of the
     programs the model was refined on (`after_stage`): the device compiled them, so they are
-    candidates at no cost, even where the refined model rules them out.
+    candidates at no cost where nothing else fits, even if the refined model rules them out.
     """
 
     calls: tuple[BlockCall, ...]

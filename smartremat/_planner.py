@@ -139,8 +139,9 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
 
     Candidates are the model's Pareto frontier (at most `MAX_CANDIDATES` points, spread evenly;
     above `_MAX_FRONTIER_STAGES` stages, where enumerating it is too slow, only the lowest-peak
-    choice `lowest` and the model's choice `sol`), the programs the model was refined on
-    (`MemoryModel.refined_on`), and the uniform plans the model does not rule out (`_search`). "Cheapest" is the fewest compiled FLOPs, or the model's FLOPs when a block
+    choice `lowest` and the model's choice `sol`) and the uniform plans the model does not rule
+    out (`_search`); where none of them fits, the programs the model was refined on
+    (`MemoryModel.refined_on`: the device compiled one, which the refined model may rule out). "Cheapest" is the fewest compiled FLOPs, or the model's FLOPs when a block
     is scanned (XLA's cost analysis counts a loop body once, docs/facts.md fact 7), plus on an
     accelerator the model's charge for the bytes the plan keeps (`_objective`, fact 22).
 
@@ -163,9 +164,7 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
         return objective_of(stages, choice)
 
     uniforms = list(dict.fromkeys(uniform(model, p) for p in config.policies))
-    # a program the model was refined on is a candidate too (compiled already): where the device
-    # refuses every plan the refined model leaves on its frontier, it may be the one that fits
-    points = sorted(dict.fromkeys([*(p.choice for p in spread(front, MAX_CANDIDATES)), *model.refined_on]), key=peak)
+    points = [p.choice for p in spread(front, MAX_CANDIDATES)]
 
     def error(floor: float) -> Exception:
         if not math.isfinite(floor):  # nothing compiled: every candidate refused (or not built)
@@ -174,7 +173,7 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
         return ValueError(f"{e}{REFUSED_NOTE.format(n=len(refused))}") if refused and isinstance(e, ValueError) else e
 
     out = search(points, uniforms, Estimates(peak, objective), config.budget_bytes, measure, rank,
-                 error, progress, confirm)
+                 error, progress, confirm, fallback=model.refined_on)
     if config.tune:
         out = _fastest(out, points, uniforms, config, measure, confirm, time_of, peak, progress)
     return Solution(out.choice, peak_of(stages, out.choice), objective_of(stages, out.choice)), out

@@ -168,7 +168,7 @@ class Estimates:
 def search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimates, budget: int,
            measure: Callable[[Choice], tuple[int, float]], rank: Callable[[Choice, float], float],
            error: Callable[[float], Exception], progress: Callable[[str], None],
-           confirm: Callable[[Choice], tuple[int, float]] | None = None) -> Outcome:
+           confirm: Callable[[Choice], tuple[int, float]] | None = None, fallback: Sequence[Choice] = ()) -> Outcome:
     """The cheapest candidate whose compiled temp bytes fit `budget` (within `TIE_MARGIN`, the one
     of fewest temp bytes).
 
@@ -182,13 +182,15 @@ def search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimate
     - `error`: the exception to raise, given the lowest compiled temp (`inf` where every
       candidate was refused or not built), when nothing fits.
     - `confirm`: a choice's compiled figures under every loss (the largest temp), if several.
+    - `fallback`: choices compiled only where no other candidate fits (the programs the model was
+      refined on: the device compiled them, though the model may rule them out).
     """
     compiled = CandidateFigures(measure, progress, confirm, raising=True)
     while True:  # a candidate found unbuildable leaves the frontier, and the search goes on without it
         built = [u for u in uniforms if compiled.figures.get(u) != UNBUILT]
         live = [c for c in points if compiled.figures.get(c) != UNBUILT] or built
         try:
-            return _search(live, built, model, budget, compiled, rank, error)
+            return _search(live, built, model, budget, compiled, rank, error, fallback)
         except _Unbuilt:
             continue
 
@@ -198,7 +200,8 @@ class _Unbuilt(Exception):
 
 
 def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimates, budget: int,
-            compiled: CandidateFigures, rank: Callable[[Choice, float], float], error: Callable[[float], Exception]) -> Outcome:
+            compiled: CandidateFigures, rank: Callable[[Choice, float], float], error: Callable[[float], Exception],
+            fallback: Sequence[Choice] = ()) -> Outcome:
     predicted = [model.peak(p) for p in points]
 
     def spare(point: Choice, *more: Choice) -> tuple[Choice, ...]:
@@ -236,7 +239,7 @@ def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimat
             compiled(*_could_win(uniforms, model, compiled, points, predicted, budget, best, rank))
             best = _chosen(compiled, budget, rank, uniforms)
         if best is None:
-            everything = (*uniforms, *points)
+            everything = (*uniforms, *points, *fallback)
             if all(c in compiled.figures for c in everything):
                 raise error(compiled.floor())
             compiled(*everything)  # the model's lowest plan is not the compiler's: try them all

@@ -241,7 +241,8 @@ def test_adams_step_on_a_zero_gradient_is_judged_on_the_gradient():
 #: Seed 20261208, case 198, shrunk: a Dropout called twice; the step without remat is refused, and
 #: the reference (the first call under `dots`, the second without remat) fits the chip, but the
 #: model refined on it left only `(dots, dots)` on its frontier, and that and no remat were refused:
-#: planning said no plan fits. A program the model was refined on is now a candidate too.
+#: planning said no plan fits. Where nothing else fits, the programs the model was refined on are
+#: candidates too.
 REFERENCE_FITS = Case(layout="loop", block="mlp", dropout=True, control="fori", loss="mse", step="value_and_grad",
                       path="filter_jit", width=8, batch=4, depth=1, budget=0.5, chip="tight")
 
