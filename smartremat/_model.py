@@ -51,7 +51,7 @@ class MemoryModel:
     A scanned call gives one stage per iteration, in the order the scan runs them; `owner[i]`
     is the index of stage `i`'s call; `menus[c]` are call `c`'s options (the policy menu, then
     its nested options), indexed like its stage's figures. `refined_on` are the choices of the
-    programs the model was refined on (`after_stage`): the device compiled them, so they are
+    programs a target refined the model on (with `after_stage`): the device compiled them, so they are
     candidates at no cost where nothing else fits, even if the refined model rules them out.
     """
 

@@ -141,8 +141,8 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
     above `_MAX_FRONTIER_STAGES` stages, where enumerating it is too slow, only the lowest-peak
     choice `lowest` and the model's choice `sol`) and the uniform plans the model does not rule
     out (`_search`); where none of them fits, the programs the model was refined on
-    (`MemoryModel.refined_on`: the device compiled one, which the refined model may rule out). "Cheapest" is the fewest compiled FLOPs, or the model's FLOPs when a block
-    is scanned (XLA's cost analysis counts a loop body once, docs/facts.md fact 7), plus on an
+    (`MemoryModel.refined_on`: the device compiled one, which the refined model may rule out).
+    "Cheapest" is the fewest compiled FLOPs, or the model's FLOPs when a block is scanned (XLA's cost analysis counts a loop body once, docs/facts.md fact 7), plus on an
     accelerator the model's charge for the bytes the plan keeps (`_objective`, fact 22).
 
     With `tune=True`, the fitting candidates of `_tune.pool` are timed by it, and the
@@ -152,6 +152,7 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
     measure, confirm, time_of = _measures(model, config, target, refused)
     stages = model.stages
     front = frontier(stages) if len(stages) <= _MAX_FRONTIER_STAGES else sorted({lowest, sol}, key=lambda s: s.peak)
+    points = [p.choice for p in spread(front, MAX_CANDIDATES)]
     looped = any(st.run is not None for st in stages)
 
     def rank(choice: tuple[int, ...], flops: float) -> float:  # the compiled FLOPs, charged for kept bytes
@@ -164,7 +165,6 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
         return objective_of(stages, choice)
 
     uniforms = list(dict.fromkeys(uniform(model, p) for p in config.policies))
-    points = [p.choice for p in spread(front, MAX_CANDIDATES)]
 
     def error(floor: float) -> Exception:
         if not math.isfinite(floor):  # nothing compiled: every candidate refused (or not built)

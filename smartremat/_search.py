@@ -201,7 +201,7 @@ class _Unbuilt(Exception):
 
 def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimates, budget: int,
             compiled: CandidateFigures, rank: Callable[[Choice, float], float], error: Callable[[float], Exception],
-            fallback: Sequence[Choice] = ()) -> Outcome:
+            fallback: Sequence[Choice]) -> Outcome:
     predicted = [model.peak(p) for p in points]
 
     def spare(point: Choice, *more: Choice) -> tuple[Choice, ...]:
