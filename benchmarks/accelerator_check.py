@@ -13,8 +13,9 @@ and run by `jax.lax.scan`). The step is the user's: next-token cross-entropy, it
 update, every argument donated. At batch 8 in float32 its step without remat needs 19.4 GB of
 temporaries, more than a TPU v5e's 15.75 GiB (docs/facts.md, fact 21).
 
-Each run (smartremat at each budget first, `"auto"` before any other so that the process's peak
-memory after it is its own; then each fixed strategy) starts from the same parameters, copied onto
+Each run (smartremat at the first budget first, `"auto"` where asked, so that the process's peak
+memory after it is its own; then each fixed strategy, the reference first; then the other budgets)
+starts from the same parameters, copied onto
 the device, compiles (a compile the chip refuses is a row with the compiler's message and figure),
 runs one step whose loss, gradient (Adam's first moment) and new parameters are kept on the host,
 then `--steps` more steps fed with the previous outputs, timed one by one (median; "host" is the
@@ -31,8 +32,8 @@ fastest fitting fixed strategy's compile.
 
 The figures go to `<out>/accelerator_check_<device>_<layout>_<dtype>_batch<B>.json` and `.md`;
 `--merge` adds this call's runs to that file's (a check larger than one device call, run in parts;
-differences are from the reference run of the same call). The file is written after each run, and
-after each comparison with the reference, which come last (minutes each on a model this size).
+differences are from the reference run of the same call). The file is written after each run, with its
+comparison with the reference (once the reference has run; then the run's host copies are dropped).
 A strategy may also be a plan placed by hand, one policy per block in order
 (`benchmarks.strategies.mixed`, e.g. `"attn:dots_nb*3+dots_nb*18+none*3"`: `attn:` puts the block's
 attention alone under the policy), to time smartremat's plan against the same plan without smartremat.
@@ -248,23 +249,35 @@ def check(size: str, layout: str, dtype: str, batch: int, budgets: list[str], na
                   model=f"SequenceGPT {size} ({layout}, {dtype}), {c.parameters / 1e6:.0f} M parameters, batch {batch}, "
                         "Adam, donated", flops_per_step=c.flops, peak_tflops=peak, steps=steps)
     result["commands"].append(command)
-    runs = [(f"smartremat {b}", lambda row, b=b: planned_step(b, row)) for b in sorted(budgets, key=lambda b: b != "auto")]
-    runs += [(n, lambda row: compiled_fixed(c, row)) for n in sorted(names, key=lambda n: n != REFERENCE)]
-    for name, maker in runs:  # written after each run: a call cut short keeps what it measured
+    for name, maker in _runs(c, budgets, names):  # written after each run: a call cut short keeps what it measured
         row: dict = {}
         row.update(c.run(name, maker(row), steps))
         plan_row(row, c)
         result["runs"][name] = row
         print(f"{name}: {_short(row)}", flush=True)
         derived(result, c.flops, peak)
-        write(path, result)
-    # Then the differences from this call's reference, once each run has been timed: on this model
-    # one comparison takes minutes of the host's time (370 M entries twice, in float64).
-    for other in (n for n in c.kept if n != REFERENCE):
-        result["runs"][other].update(differences(c, other))
-        print(f"{other}: {result['runs'][other].get('answer', '-')}", flush=True)
+        _compare_kept(c, result)
         write(path, result)
     return result
+
+
+def _runs(c: Check, budgets: list[str], names: list[str]) -> list[tuple[str, Any]]:
+    """The first budget (`"auto"` where asked) on a fresh process, then the fixed strategies (the
+    reference first), then the other budgets: a call cut short has the comparison that matters."""
+    planned = [(f"smartremat {b}", lambda row, b=b: planned_step(b, row)) for b in sorted(budgets, key=lambda b: b != "auto")]
+    fixed = [(n, lambda row: compiled_fixed(c, row)) for n in sorted(names, key=lambda n: n != REFERENCE)]
+    return planned[:1] + fixed + planned[1:]
+
+
+def _compare_kept(c: Check, result: dict) -> None:
+    """Each kept run's differences from the reference, once the reference has run; the run's host
+    copies are then dropped (a 370 M-parameter run keeps 3 GB of the host's memory)."""
+    if REFERENCE not in c.kept:
+        return
+    for other in [n for n in c.kept if n != REFERENCE]:
+        result["runs"][other].update(differences(c, other))
+        print(f"{other}: {result['runs'][other].get('answer', '-')}", flush=True)
+        del c.kept[other]
 
 
 def write(path: pathlib.Path, result: dict) -> None:

@@ -106,15 +106,25 @@ def tree_mismatches(actual: Any, expected: Any, *, grads: tuple[Any, Any] | None
 _BYTES_PER_ENTRY = 64
 
 
+def _free_memory() -> int:
+    """Bytes of the host's memory not in use now (Linux's free pages), or all of it where the
+    system does not say: the runs a benchmark keeps for comparison hold much of it already."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    try:
+        return page * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError):
+        return page * os.sysconf("SC_PHYS_PAGES")
+
+
 def _parallel(fn: Callable[..., T], items: Iterable[tuple]) -> list[T]:
     """`[fn(*item) for item in items]`, leaves in threads (NumPy releases the GIL): a model of
     hundreds of millions of parameters is compared in seconds, not minutes. As many threads as
-    half the host's memory holds comparisons of the largest leaf (on a TPU host, 13 threads on a
-    scanned model's stacked leaves ran its 40 GiB out)."""
+    half the host's free memory holds comparisons of the largest leaf (on a TPU host, 13 threads
+    on a scanned model's stacked leaves ran its 40 GiB out): the free memory, not all of it, as
+    the runs a check keeps for comparison hold gigabytes already."""
     items = list(items)
     largest = max((x.size for item in items for x in item if hasattr(x, "size")), default=1)
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    workers = int(min(os.cpu_count() or 1, max(1, memory // 2 // (_BYTES_PER_ENTRY * max(largest, 1)))))
+    workers = int(min(os.cpu_count() or 1, max(1, _free_memory() // 2 // (_BYTES_PER_ENTRY * max(largest, 1)))))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         return list(pool.map(lambda item: fn(*item), items))
 

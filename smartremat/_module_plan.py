@@ -76,6 +76,9 @@ class ModuleTarget:
     def notes(self, model: MemoryModel) -> tuple[str, ...]:
         return ()
 
+    #: Its programs (the module's gradient under its losses) stand in for the step that calls it.
+    stands_in = True
+
 
 def get_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Plan:
     """The plan of the module's call for this signature and config, made once (`_planner.planned`);

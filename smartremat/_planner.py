@@ -58,6 +58,8 @@ class Target(Protocol):
     def timed(self, runs: Runs, config: Config) -> Timed: ...
     def too_low(self, config: Config, model: MemoryModel, floor: int, compiled: bool) -> Exception: ...
     def notes(self, model: MemoryModel) -> tuple[str, ...]: ...
+    @property
+    def stands_in(self) -> bool: ...  # its programs stand in for a step the user compiles (the decorator's)
 
 
 class Planned(NamedTuple):
@@ -90,7 +92,8 @@ def _stored_or_made(target: Target, key: PlanKey, config: Config) -> Planned:
         return Planned(plan, stored[1])
     made = make_plan(target, config)
     untimed = config.tune and not made.plan.timed  # `tune=True` could not time it (`_fastest`): not stored
-    _disk.store(None if untimed else text, made.plan, made.runs)
+    unconfirmed = config.verify and made.plan.compiled_peak_bytes is None  # the device refused every candidate
+    _disk.store(None if untimed or unconfirmed else text, made.plan, made.runs)
     return made
 
 
@@ -168,15 +171,40 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
 
     def error(floor: float) -> Exception:
         if not math.isfinite(floor):  # nothing compiled: every candidate refused (or not built)
-            return no_plan_fits(target.name, refused)
+            e = no_plan_fits(target.name, refused)
+            return _Unconfirmed(e) if target.stands_in and refused else e
         e = target.too_low(config, model, int(floor), compiled=True)
         return ValueError(f"{e}{REFUSED_NOTE.format(n=len(refused))}") if refused and isinstance(e, ValueError) else e
 
-    out = search(points, uniforms, Estimates(peak, objective), config.budget_bytes, measure, rank,
-                 error, progress, confirm, fallback=model.refined_on)
+    tried: list[tuple[int, ...]] = []
+
+    def measure_tried(choice: tuple[int, ...]) -> tuple[int, float]:
+        tried.append(choice)
+        return measure(choice)
+
+    try:
+        out = search(points, uniforms, Estimates(peak, objective), config.budget_bytes, measure_tried, rank,
+                     error, progress, confirm, fallback=model.refined_on)
+    except _Unconfirmed:
+        warnings.warn(UNCONFIRMED.format(name=target.name, refused=_refusals(refused)), stacklevel=2)
+        measured = tuple(dict.fromkeys(tried))
+        return lowest, Outcome(lowest.choice, None, measured, checked=(None,) * len(measured))
     if config.tune:
         out = _fastest(out, points, uniforms, config, measure, confirm, time_of, peak, progress)
     return Solution(out.choice, peak_of(stages, out.choice), objective_of(stages, out.choice)), out
+
+
+class _Unconfirmed(Exception):
+    """Every candidate of a target that stands in for the user's step was refused by the device."""
+
+
+#: Warned where the device refused every candidate of the decorator: the plan is the model's lowest.
+UNCONFIRMED = ("smartremat: no remat plan for {name} is confirmed by the compiler: the device refused its "
+               "gradient under every plan tried ({refused}). These programs are "
+               "the module's gradient under its losses, with their own arguments and outputs: they stand in for "
+               "the step that calls the module, which the device may still hold. The plan is the model's lowest "
+               "peak (unconfirmed). If that step does not fit, lower the batch size or shard it, or plan the whole "
+               "step with `smartremat.filter_jit`, whose candidates are the step itself.")
 
 
 #: Said after an infeasible budget's error when the device refused candidates for memory.
@@ -186,14 +214,19 @@ REFUSED_NOTE = (" Besides, {n} candidate plan(s) did not fit the device's memory
 
 def no_plan_fits(name: str, refused: list[Refused]) -> ValueError:
     """Every candidate compiled was refused by the device: no budget helps; what each needed."""
-    needs = sorted({r.needed for r in refused if r.needed})
-    least = f" (the least any needed: {needs[0] / MB:.{1 if needs[0] >= MB else 4}f} MB)" if needs else ""
     first = refused[0].message if refused else "no candidate could be built"
     return ValueError(
         f"smartremat: the step of {name} does not fit the device's memory under any remat plan tried: "
-        f"{len(refused)} candidate plan(s), full remat among them, did not fit it{least}; the compiler said: "
+        f"{_refusals(refused)}; the compiler said: "
         f"{first} No budget changes that: lower the batch size, shard the batch or the parameters over more "
         "devices, or keep the optimizer state off the device.")
+
+
+def _refusals(refused: list[Refused]) -> str:
+    """How many candidates the device refused, and the least bytes a refusal named."""
+    needs = sorted({r.needed for r in refused if r.needed})
+    least = f" (the least any needed: {needs[0] / MB:.{1 if needs[0] >= MB else 4}f} MB)" if needs else ""
+    return f"{len(refused)} candidate plan(s), full remat among them, did not fit it{least}"
 
 
 def _measures(model: MemoryModel, config: Config, target: Target,
@@ -324,8 +357,11 @@ def _refused_note(outcome: Outcome | None) -> tuple[str, ...]:
     refused = 0 if outcome is None else sum(pair is None for pair in outcome.checked)
     if not refused:
         return ()
+    unconfirmed = ("; none fitted, so this is the model's lowest plan, unconfirmed (the module's gradient under its "
+                   "losses stands in for the step that calls it, which the device may hold)"
+                   if outcome is not None and outcome.compiled is None else "")
     return (f"{refused} candidate plan(s) did not fit the device's memory (its compiler refused them, or they "
-            "compiled to more than it holds)",)
+            f"compiled to more than it holds){unconfirmed}",)
 
 
 def _notes(model: MemoryModel, sol: Solution) -> list[str]:

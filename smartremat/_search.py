@@ -76,7 +76,7 @@ class Outcome:
     """What the search found: the chosen candidate and the candidates it compiled."""
 
     choice: Choice
-    compiled: tuple[int, float]  # the choice's compiled (temp, flops)
+    compiled: tuple[int, float] | None  # the choice's compiled (temp, flops); None: unconfirmed (`_planner`)
     measured: tuple[Choice, ...]  # compiled under the first loss (those not built are counted in `skipped`)
     confirmed: tuple[Choice, ...] = ()  # the candidates also compiled under every loss
     # (predicted peak, compiled temp) per candidate of `measured`; None for one the device refused

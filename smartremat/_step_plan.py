@@ -169,6 +169,9 @@ class StepTarget:
     def notes(self, model: MemoryModel) -> tuple[str, ...]:
         return self.said + self._sharded_notes()
 
+    #: Its programs are the user's step: a refusal of them all is final.
+    stands_in = False
+
     def _sharded_notes(self) -> tuple[str, ...]:
         sharded = any(len(getattr(a.sharding, "device_set", ())) > 1 for a in self.sig.avals)
         hidden = sharded and any(shardings_hidden(c.spec) for c in self.calls)

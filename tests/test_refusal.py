@@ -151,6 +151,28 @@ def test_decorator_where_candidates_are_refused():
     assert tree_allclose(grads.module, expected)
 
 
+def test_the_decorator_where_the_chip_refuses_every_candidate():
+    """The decorator's candidates are the module's gradient under its losses, which stand in for
+    the step that calls the module: where the device refuses them all, the plan is the model's
+    lowest, unconfirmed (no compiled figure, a note, a warning naming what the device refused),
+    not an error; the gradient is the plain one."""
+    model, _, x, y = _args(MODELS["unrolled"])
+    loss = lambda m: jnp.mean((m(x) - y) ** 2)  # noqa: E731
+    expected = eqx.filter_jit(eqx.filter_grad(loss))(model)
+    m = _memory(eqx.filter_jit(eqx.filter_grad(loss)), (model,))
+    hbm = int(_total(m) - m.temp_size_in_bytes)  # arguments and outputs only: every candidate refused
+    with simulated_chip(hbm) as chip, pytest.warns(UserWarning, match=r"(?s)no remat plan for Transformer is "
+                                                   r"confirmed by the compiler: the device refused its gradient "
+                                                   r"under every plan tried \(\d+ candidate plan\(s\).*"
+                                                   r"plan the whole step with `smartremat.filter_jit`"):
+        wrapped = smartremat.smartremat(budget_mb=m.temp_size_in_bytes / MB)(model)
+        plan = smartremat.explain(wrapped, x)
+    assert plan.compiled_peak_bytes is None and 0 < plan.compiles <= len(chip.refused)
+    assert plan.predicted_peak_bytes == plan.min_peak_bytes and not plan.checked
+    assert any("the model's lowest plan, unconfirmed" in n for n in plan.notes) and "unconfirmed" in str(plan)
+    assert tree_allclose(eqx.filter_jit(eqx.filter_grad(loss))(wrapped).module, expected)  # off the chip
+
+
 @pytest.mark.parametrize("needed, said", [(int(19.40 * 2**30), "19865.6 MB"), (8550, "0.0082 MB")])
 def test_no_plan_fits_states_the_least_any_needed(needed, said):
     """The least figure a refusal named, also for a program of a few kilobytes (not "0.0 MB")."""
