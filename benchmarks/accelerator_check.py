@@ -27,8 +27,10 @@ chip. Rows: compiled temp bytes, compile (or first call) seconds, step time, mod
 gradients and parameters, per leaf over its largest value, and whether they are within the
 gradient standard (`benchmarks/answers.py`, in ulps of the least precise dtype the step computes in:
 bfloat16 on a TPU unless `--precision highest`). For smartremat also: the plan, its
-budget, predicted and compiled figures, the lowest reachable figure, and the first call against the
-fastest fitting fixed strategy's compile.
+budget, predicted and compiled figures, the lowest reachable figure, the first call against the
+fastest fitting fixed strategy's compile, and the first call's compiles by what they are for (block
+profiles, reference step, candidate steps, the step that runs: `benchmarks.planning_time.compile_breakdown`,
+count, seconds summed over threads and wall seconds covered).
 
 The figures go to `<out>/accelerator_check_<device>_<layout>_<dtype>_batch<B>.json` and `.md`;
 `--merge` adds this call's runs to that file's (a check larger than one device call, run in parts;
@@ -67,6 +69,7 @@ import optax
 
 import smartremat
 from benchmarks.answers import tree_mismatches
+from benchmarks.planning_time import compile_breakdown, recorded_compiles
 from benchmarks.models import SequenceGPT, sequence_gpt_loss
 from benchmarks.strategies import strategy
 
@@ -251,7 +254,10 @@ def check(size: str, layout: str, dtype: str, batch: int, budgets: list[str], na
     result["commands"].append(command)
     for name, maker in _runs(c, budgets, names):  # written after each run: a call cut short keeps what it measured
         row: dict = {}
-        row.update(c.run(name, maker(row), steps))
+        with recorded_compiles() as record:  # what smartremat's first call compiles, by what for
+            row.update(c.run(name, maker(row), steps))
+        if name.startswith("smartremat"):
+            row["compiles_by_kind"] = compile_breakdown(record)
         plan_row(row, c)
         result["runs"][name] = row
         print(f"{name}: {_short(row)}", flush=True)
@@ -320,8 +326,18 @@ def markdown(r: dict) -> str:
             lines += ["", f"## {name}: budget {x['budget_mb']:.0f} MB, predicted {x['predicted_mb']:.0f} MB, compiled "
                       f"{x['temp_mb']:.0f} MB (model error {x['predicted_mb'] / x['temp_mb'] - 1:+.1%}); first call "
                       f"{x['first_s']:.1f} s, {_f(x.get('first_call_vs_fastest_fixed_compile'), '.1f')}x the fastest "
-                      "fixed strategy's compile", "", "```", x["explain"], "```"]
+                      "fixed strategy's compile", ""] + _compiles(x) + ["```", x["explain"], "```"]
     return "\n".join(lines) + "\n"
+
+
+def _compiles(x: dict) -> list[str]:
+    """The first call's compiles by what they are for (`benchmarks.planning_time.compile_breakdown`)."""
+    kinds = dict(x.get("compiles_by_kind") or {})
+    every = kinds.pop("all", None)
+    if every is None:
+        return []
+    parts = "; ".join(f"{k}: {n}, {summed:.1f} s summed, {wall:.1f} s wall" for k, (n, summed, wall) in kinds.items())
+    return [f"Compiles of the first call ({every[0]}, covering {every[2]:.1f} s of its {x['first_s']:.1f} s): {parts}.", ""]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -56,6 +56,7 @@ planner; `calibrate=True` adds up to three small compiles per distinct block and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -65,7 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -262,8 +263,8 @@ def _kind(frames: list[tuple[str, str]]) -> str:
         return "timing (tune=True)"
     if "in_place" in functions:
         return "head"
-    if "plain" in functions:
-        return "plain step (tail, auto budget)"
+    if "plain" in functions or "reference" in functions:
+        return "reference step (tail, auto budget)"
     if "measure" in functions or "smartremat._verify" in modules:
         return "candidate steps (verify)"
     if "smartremat._filter_jit" in modules:
@@ -289,6 +290,28 @@ def _recording_compiles(record: list) -> Any:
             record.append((_kind(frames), t0, time.perf_counter()))
 
     return original, compile
+
+
+@contextlib.contextmanager
+def recorded_compiles() -> Iterator[list[tuple[str, float, float]]]:
+    """Within it, every `jax.stages.Lowered.compile` is recorded as `(kind, start, end)` (`_kind`)."""
+    record: list = []
+    original, recording = _recording_compiles(record)
+    jax.stages.Lowered.compile = recording
+    try:
+        yield record
+    finally:
+        jax.stages.Lowered.compile = original
+
+
+def compile_breakdown(record: list[tuple[str, float, float]]) -> dict[str, list]:
+    """`{kind: [compiles, seconds summed, wall seconds covered]}` of a `recorded_compiles` record,
+    and `"all"`: every compile."""
+    kinds: dict[str, list] = {}
+    for kind, a, z in record:
+        kinds.setdefault(kind, []).append((a, z))
+    kinds["all"] = [(a, z) for _, a, z in record]
+    return {k: [len(iv), sum(z - a for a, z in iv), _covered(iv)] for k, iv in kinds.items()}
 
 
 def _covered(intervals: list[tuple[float, float]]) -> float:
@@ -317,22 +340,14 @@ def real_breakdown(size: str, share: float = 0.5) -> str:
     plain = eqx.filter_jit(step).lower(model, tokens).compile()
     plain_s = time.perf_counter() - t0
     none_temp = plain.compiled.memory_analysis().temp_size_in_bytes
-    record: list = []
-    original, recording = _recording_compiles(record)
     smartremat.clear_caches()
-    jax.stages.Lowered.compile = recording
-    try:
+    with recorded_compiles() as record:
         t0 = time.perf_counter()
         plan = smartremat.filter_jit(step, budget_mb=none_temp * share / MB).plan(model, tokens)
         wall = time.perf_counter() - t0
-    finally:
-        jax.stages.Lowered.compile = original
-    kinds: dict[str, list] = {}
-    for kind, a, z in record:
-        kinds.setdefault(kind, []).append((a, z))
-    parts = "; ".join(f"{k}: {len(iv)} compiles, {sum(z - a for a, z in iv):.2f} s summed, "
-                      f"{_covered(iv):.2f} s wall" for k, iv in kinds.items())
-    covered = _covered([(a, z) for _, a, z in record])
+    kinds = compile_breakdown(record)
+    covered = kinds.pop("all")[2]
+    parts = "; ".join(f"{k}: {n} compiles, {summed:.2f} s summed, {w:.2f} s wall" for k, (n, summed, w) in kinds.items())
     error = abs(plan.predicted_peak_bytes - plan.compiled_peak_bytes) / plan.compiled_peak_bytes
     return (f"{size} (GPT {n} layers, d={d}, {heads} heads, T={t}, batch {b}, vocab {v}): plain compile "
             f"{plain_s:.2f} s (temp {none_temp / MB:.1f} MB); first plan at {none_temp * share / MB:.1f} MB "

@@ -154,6 +154,10 @@ def test_the_accelerator_check_runs_tiny_on_a_simulated_chip(tmp_path, standard_
         assert smart["temp_mb"] <= smart["budget_mb"] and smart["policies"] and smart["explain"]
         assert max(smart["loss_diff"], smart["grad_diff"], smart["param_diff"]) < 1e-5
         assert smart["answer"] == "same"
+    kinds = runs["smartremat auto"]["compiles_by_kind"]  # the first call's compiles, by what for
+    assert kinds["block profiles"][0] > 0 and kinds["candidate steps (verify)"][0] > 0 and "compiles_by_kind" not in runs["full"]
+    assert kinds["all"][0] == sum(n for k, (n, _, _) in kinds.items() if k != "all")
+    assert kinds["all"][2] <= runs["smartremat auto"]["first_s"] and "Compiles of the first call (" in path.with_suffix(".md").read_text()
     g, p = np.linspace(-1.0, 1.0, 8, dtype=np.float32), np.ones(8, np.float32)
     moved = types.SimpleNamespace(kept={"full": (1.0, [g], [p]), "x": (1.0, [g * 1.01], [p])}, compute="float32")
     assert accelerator_check.differences(moved, "x")["answer"].startswith("1 leaves differ; [1][0]: 8 of 8 entries")
