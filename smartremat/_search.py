@@ -12,7 +12,8 @@ smallest ratio seen if below 1, never up (an under-predicted mixed plan must not
 plan the model predicts well: with d61ddb0's profile the ResNet's mixed plans were 16-20% under;
 after XLA's fusion a uniform policy can take fewer FLOPs than the model says, by up to 1.6% of the
 step on the quick benchmark models: docs/facts.md, fact 9). A frontier point compiled alone has
-beside it a uniform plan the search would likely compile later (`spare`).
+beside it a uniform plan the search would likely compile later (`spare`; for the very first
+compile, a uniform plan the model predicts to fit at no more FLOPs than the point).
 
 The fitting candidate of lowest rank wins: its compiled FLOPs (the model's FLOPs when a block is
 scanned: XLA counts a loop body once), plus on an accelerator the model's charge for the bytes it
@@ -213,8 +214,11 @@ def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimat
         wall time. The batch size is fixed, not the core count, so that which candidates are
         compiled does not depend on the machine."""
         figures, batch = compiled.figures, (point, *more)
-        if not figures or len(batch) >= SPARE_BATCH:
+        if len(batch) >= SPARE_BATCH:
             return batch
+        if not figures:  # the first compile: against the point itself, by the model's FLOPs alone
+            could = _could_win(uniforms, model, compiled, points, predicted, budget, None, rank, against=point)
+            return batch + tuple(u for u in could if u not in batch)[: SPARE_BATCH - len(batch)]
         best = _best(compiled, budget, rank)
         if best is None:
             built = [c for c in figures if is_compiled(figures[c])]
@@ -226,7 +230,7 @@ def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimat
         return batch + tuple(ready[: SPARE_BATCH - len(batch)])
 
     guess = _guess(points, predicted, {}, budget, 0, len(points))
-    compiled(points[guess])
+    compiled(*spare(points[guess]))
     for attempt in range(2):  # missed: the next guess; missed again: with the lowest-peak point
         if compiled.figures[points[guess]][0] <= budget or guess == 0:
             break
@@ -270,14 +274,18 @@ def _chosen(compiled: CandidateFigures, budget: int, rank: Callable[[Choice, flo
 
 
 def _could_win(uniforms: Sequence[Choice], model: Estimates, compiled: CandidateFigures, points: Sequence[Choice],
-               predicted: Sequence[float], budget: int, best: Choice, rank: Callable[[Choice, float], float],
+               predicted: Sequence[float], budget: int, best: Choice | None, rank: Callable[[Choice, float], float],
                against: Choice | None = None) -> list[Choice]:
     """The uniform plans not compiled yet that the model does not rule out: they could fit and
     could cost no more than `best` (see the module docstring); with `against`, no more than it by
-    the model's FLOPs, within the margin of `best`'s rank."""
+    the model's FLOPs, within the margin of `best`'s rank (of `against`'s FLOPs where nothing is
+    compiled yet: `best` None)."""
     scale = min([1.0, *_ratios(points, predicted, compiled.figures).values()])  # never scaled up
-    slack = WIN_MARGIN * abs(rank(best, compiled.figures[best][1]))
-    ref = model.flops(best if against is None else against)
+    judged = against if against is not None else best
+    if judged is None:
+        raise ValueError("_could_win needs `best` or `against`")
+    ref = model.flops(judged)
+    slack = WIN_MARGIN * abs(ref if best is None else rank(best, compiled.figures[best][1]))
     return [u for u in uniforms if u not in compiled.figures
             and model.peak(u) * scale <= budget * (1 + FIT_MARGIN)
             and model.flops(u) - ref <= slack]
