@@ -107,13 +107,13 @@ _BYTES_PER_ENTRY = 64
 
 
 def _free_memory() -> int:
-    """Bytes of the host's memory not in use now (Linux's free pages), or all of it where the
+    """Bytes of the host's memory available now (Linux's `MemAvailable`), or all of it where the
     system does not say: the runs a benchmark keeps for comparison hold much of it already."""
-    page = os.sysconf("SC_PAGE_SIZE")
     try:
-        return page * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError):
-        return page * os.sysconf("SC_PHYS_PAGES")
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _parallel(fn: Callable[..., T], items: Iterable[tuple]) -> list[T]:

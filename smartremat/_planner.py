@@ -150,6 +150,9 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
 
     With `tune=True`, the fitting candidates of `_tune.pool` are timed by it, and the
     one of the lowest median time replaces that choice (`_fastest`, `_tune.tuned`).
+
+    Where the device refuses every candidate of a target whose programs stand in for the user's
+    step (the decorator's: `Target.stands_in`), `_unconfirmed`.
     """
     refused: list[Refused] = []  # what the device refused, candidate by candidate
     measure, confirm, time_of = _measures(model, config, target, refused)
@@ -176,19 +179,18 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
         e = target.too_low(config, model, int(floor), compiled=True)
         return ValueError(f"{e}{REFUSED_NOTE.format(n=len(refused))}") if refused and isinstance(e, ValueError) else e
 
-    tried: list[tuple[int, ...]] = []
+    built: list[tuple[int, ...]] = []  # the candidates compiled (or refused), not those that could not be built
 
-    def measure_tried(choice: tuple[int, ...]) -> tuple[int, float]:
-        tried.append(choice)
-        return measure(choice)
+    def measure_built(choice: tuple[int, ...]) -> tuple[int, float]:
+        figures = measure(choice)  # raises `Unbuildable` for a candidate that cannot be built
+        built.append(choice)
+        return figures
 
     try:
-        out = search(points, uniforms, Estimates(peak, objective), config.budget_bytes, measure_tried, rank,
+        out = search(points, uniforms, Estimates(peak, objective), config.budget_bytes, measure_built, rank,
                      error, progress, confirm, fallback=model.refined_on)
     except _Unconfirmed:
-        warnings.warn(UNCONFIRMED.format(name=target.name, refused=_refusals(refused)), stacklevel=2)
-        measured = tuple(dict.fromkeys(tried))
-        return lowest, Outcome(lowest.choice, None, measured, checked=(None,) * len(measured))
+        return _unconfirmed(model, config, target, lowest, tuple(dict.fromkeys(built)), refused)
     if config.tune:
         out = _fastest(out, points, uniforms, config, measure, confirm, time_of, peak, progress)
     return Solution(out.choice, peak_of(stages, out.choice), objective_of(stages, out.choice)), out
@@ -198,12 +200,29 @@ class _Unconfirmed(Exception):
     """Every candidate of a target that stands in for the user's step was refused by the device."""
 
 
+def _unconfirmed(model: MemoryModel, config: Config, target: Target, lowest: Solution,
+                 built: tuple[tuple[int, ...], ...], refused: list[Refused]) -> tuple[Solution, Outcome]:
+    """The plan where the device refused every candidate `built` of a target that stands in for
+    the user's step: the model's lowest plan (the lowest-peak one built, where it could not be),
+    unconfirmed, with a warning; the infeasible budget's error where the model puts that plan
+    above the budget."""
+    stages = model.stages
+    choice = lowest.choice if lowest.choice in built or not built else min(built, key=lambda c: peak_of(stages, c))
+    peak = peak_of(stages, choice) + model.fixed_bytes
+    if peak > config.budget_bytes:
+        raise target.too_low(config, model, peak, compiled=False)
+    untimed = " With `tune=True`, nothing was timed: no candidate compiled." if config.tune else ""
+    warnings.warn(UNCONFIRMED.format(name=target.name, refused=_refusals(refused)) + untimed, stacklevel=2)
+    solution = Solution(choice, peak_of(stages, choice), objective_of(stages, choice))
+    return solution, Outcome(choice, None, built, checked=(None,) * len(built))
+
+
 #: Warned where the device refused every candidate of the decorator: the plan is the model's lowest.
 UNCONFIRMED = ("smartremat: no remat plan for {name} is confirmed by the compiler: the device refused its "
                "gradient under every plan tried ({refused}). These programs are "
                "the module's gradient under its losses, with their own arguments and outputs: they stand in for "
-               "the step that calls the module, which the device may still hold. The plan is the model's lowest "
-               "peak (unconfirmed). If that step does not fit, lower the batch size or shard it, or plan the whole "
+               "the step that calls the module, which the device may still hold. The plan is the model's plan of "
+               "lowest peak (unconfirmed). If that step does not fit, lower the batch size or shard it, or plan the whole "
                "step with `smartremat.filter_jit`, whose candidates are the step itself.")
 
 

@@ -13,7 +13,7 @@ plan the model predicts well: with d61ddb0's profile the ResNet's mixed plans we
 after XLA's fusion a uniform policy can take fewer FLOPs than the model says, by up to 1.6% of the
 step on the quick benchmark models: docs/facts.md, fact 9). A frontier point compiled alone has
 beside it a uniform plan the search would likely compile later (`spare`; for the very first
-compile, a uniform plan the model predicts to fit at no more FLOPs than the point).
+compile, one the model puts within the margins of the budget and of the point's FLOPs).
 
 The fitting candidate of lowest rank wins: its compiled FLOPs (the model's FLOPs when a block is
 scanned: XLA counts a loop body once), plus on an accelerator the model's charge for the bytes it
@@ -211,8 +211,10 @@ def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimat
         of the best fitting candidate's rank (while none fits, the costliest compiled one's, which is
         lower: the plan that fits will cost more). A step compiling one candidate leaves a core
         idle; a uniform plan the search would most likely compile later compiles there in the same
-        wall time. The batch size is fixed, not the core count, so that which candidates are
-        compiled does not depend on the machine."""
+        wall time. The very first compile (nothing compiled yet) is judged against the point
+        itself: a uniform plan the model predicts within `FIT_MARGIN` of the budget and within
+        `WIN_MARGIN` of the point's FLOPs. The batch size is fixed, not the core count, so that
+        which candidates are compiled does not depend on the machine."""
         figures, batch = compiled.figures, (point, *more)
         if len(batch) >= SPARE_BATCH:
             return batch

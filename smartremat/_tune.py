@@ -162,7 +162,8 @@ def tuned(outcome: Outcome, candidates: Sequence[Choice], budget: int, compiled:
     `(temp, flops, median seconds)` per candidate timed, the search's choice first."""
     compiled(*candidates)
     fits = [c for c in candidates if compiled.figures[c][0] <= budget and compiled.exact(c) <= budget]
-    if outcome.choice not in fits and outcome.compiled is not None:  # the search's choice fits by construction
+    if outcome.choice not in fits:  # the search's choice fits by construction (compiled: `_planner.verified`
+        assert outcome.compiled is not None  # returns an unconfirmed plan before tuning)
         fits.insert(0, outcome.choice)
         compiled.figures[outcome.choice] = outcome.compiled
     progress(f"timing {len(fits)} fitting candidate plan(s) ({TUNE_ROUNDS}-{TUNE_MAX_ROUNDS} rounds, "

@@ -171,6 +171,9 @@ def test_the_decorator_where_the_chip_refuses_every_candidate():
     assert plan.predicted_peak_bytes == plan.min_peak_bytes and not plan.checked
     assert any("the model's lowest plan, unconfirmed" in n for n in plan.notes) and "unconfirmed" in str(plan)
     assert tree_allclose(eqx.filter_jit(eqx.filter_grad(loss))(wrapped).module, expected)  # off the chip
+    with simulated_chip(hbm), pytest.raises(ValueError, match=r"`smartremat\(budget_mb=0.001\)` is below the lowest "
+                                            r"peak any remat plan reaches .* \(predicted by smartremat's model\)"):
+        smartremat.explain(smartremat.smartremat(budget_mb=1e-3)(model), x)  # below the model's floor: no plan
 
 
 @pytest.mark.parametrize("needed, said", [(int(19.40 * 2**30), "19865.6 MB"), (8550, "0.0082 MB")])
