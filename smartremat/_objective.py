@@ -15,18 +15,22 @@ its memory bandwidth, 240 FLOPs per byte). The same step with 3-7 GB of the chip
 argument ran within 0.3%: the cost is the bytes, not the pressure. A scan split into pieces
 copies its slices of the scanned operands (`Stage.split_extra`): those bytes are charged alike.
 
-Outside a scan a kept byte costs less, but not nothing. The unrolled model at batch 4 (float32)
-stepped in 185.5 ms without remat, 218.4 ms under `dots_with_no_batch_dims_saveable` and 225.2 ms
-under full remat, though no remat keeps 268 MB more per block than the second (half its batch-8
-figures) for 17.7 GFLOP less: any charge above 66 FLOPs per byte would have chosen the slower plan.
-At batch 8 (`python benchmarks/accelerator_check.py --budgets auto,9500`), three mixed plans of
-dots_nb, no remat and `nested(attn=dots_nb)` (dots_nb on the attention, nothing on the rest: 16.4 MB
-more kept per block than dots_nb for 0.51 GFLOP less) stepped in 417.0 ms (3 nested, 3 none) and
-420.9 ms (8 nested, 1 none) against 419.6 ms for dots_nb on every block: solved per block, the nested
-block costs 0.31 ms more than dots_nb, no remat 1.17 ms less (512 MB more kept for 35.4 GFLOP less).
-Any charge below 30 FLOPs per byte (MB here are 2**20 bytes) chooses the nested block; above 66,
-dots_nb over no remat, as at batch 4. The charge outside a scan is 0.2 ridge points (48 FLOPs per
-byte on a v5e), inside that window by 1.6x and 1.4x. An H200 stepped alike with and without remat of the dots (fact 5).
+Outside a scan a kept byte is charged nothing. The unrolled model at batch 4 (float32) stepped in
+185.5 ms without remat, 218.4 ms under `dots_with_no_batch_dims_saveable` and 225.2 ms under full
+remat, though no remat keeps 268 MB more per block than the second (half its batch-8 figures) for
+17.7 GFLOP less: any charge above 66 FLOPs per byte (MB here are 2**20 bytes) would have chosen the
+slower plan. At batch 8 (`python benchmarks/accelerator_check.py --budgets auto,9500`, uncharged),
+two mixed plans of dots_nb, no remat and `nested(attn=dots_nb)` (dots_nb on the attention, nothing
+on the rest: 16.4 MB more kept per block than dots_nb for 0.51 GFLOP less) stepped in 417.0 ms
+(3 nested, 3 none) and 420.9 ms (8 nested, 1 none) against 419.6 ms for dots_nb on every block:
+solved per block, the nested block 0.31 ms slower than dots_nb, no remat 1.17 ms faster. A charge of
+0.2 ridge points (48 FLOPs per byte), which orders both pairs as timed by the model's figures, was
+tried on the TPU: `"auto"` then chose dots_nb on every block (the fixed policy's program, 411.6 ms
+back to back against its 411.1), dropping the blocks without remat that made the uncharged plan
+faster (why is not established: the search ranks by XLA's compiled FLOPs, not the model's, and
+the call's log did not name its candidates; `docs/results/accelerator_check_tpu_tpu_v5_lite_unrolled_float32_batch8_charged.md`).
+So the charge outside a scan stays zero.
+An H200 stepped alike with and without remat of the dots (fact 5).
 
 Other accelerators are charged the same multiple of their own ridge point (their peak dense
 FLOP/s over their memory bandwidth, from the vendors' figures; one not listed is taken to be a
@@ -42,7 +46,7 @@ import jax
 
 #: Measured on a TPU v5e (module docstring): FLOPs a kept byte costs, as multiples of the ridge point,
 #: outside a scan and in a scan's body.
-UNROLLED_RIDGES = 0.2
+UNROLLED_RIDGES = 0.0
 SCANNED_RIDGES = 3.0
 
 #: `(peak dense bfloat16 FLOP/s, memory bytes/s)` of accelerators, by a part of their `device_kind`.
