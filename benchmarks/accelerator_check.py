@@ -55,6 +55,7 @@ import benchmarks.common  # noqa: F401  (the CPU flag, only where there is no ac
 import argparse
 import contextlib
 import gc
+import hashlib
 import json
 import logging
 import pathlib
@@ -73,7 +74,7 @@ import smartremat
 from benchmarks.answers import tree_mismatches
 from benchmarks.planning_time import compile_breakdown, recorded_compiles
 from benchmarks.models import SequenceGPT, sequence_gpt_loss
-from benchmarks.strategies import strategy
+from benchmarks.strategies import program_text, strategy
 
 MB = smartremat.MB
 LR = 1e-4
@@ -176,6 +177,7 @@ def compiled_fixed(check: Check, row: dict) -> Any:
         compiled = eqx.filter_jit(step, donate="all").lower(model, opt_state, check.tokens).compile()
         row["compile_s"] = time.perf_counter() - t0
         row["temp_mb"] = compiled.compiled.memory_analysis().temp_size_in_bytes / MB
+        row["program"] = program_hash(compiled.compiled.as_text())
         return compiled
 
     return make
@@ -193,11 +195,19 @@ def planned_step(budget: str, row: dict) -> Any:
     return make
 
 
+def program_hash(hlo: str) -> str:
+    """A digest of `benchmarks.strategies.program_text`: equal for one program compiled twice."""
+    return hashlib.sha256(program_text(hlo).encode()).hexdigest()[:16]
+
+
 def plan_row(row: dict, check: Check) -> None:
     planned = row.pop("planned", None)
     if planned is None or "refused" in row:
         return
-    plan = planned.plan(*check.fresh("smartremat"), check.tokens)
+    args = (*check.fresh("smartremat"), check.tokens)
+    plan = planned.plan(*args)
+    row["program"] = program_hash(planned.lower(*args).compile().as_text())  # the executable that ran: no compile
+    del args
     row.update(temp_mb=plan.compiled_peak_bytes / MB, budget_mb=plan.budget_bytes / MB,
                predicted_mb=plan.predicted_peak_bytes / MB, lowest_mb=plan.min_peak_bytes / MB,
                full_predicted_mb=plan.full_remat_peak_bytes / MB, none_predicted_mb=plan.no_remat_peak_bytes / MB,
@@ -241,6 +251,8 @@ def derived(result: dict, check_flops: float, peak: float | None) -> None:
             ahead = [f["back_to_back_s"] for f in fixed.values() if f.get("back_to_back_s")]
             if r.get("back_to_back_s") and ahead:
                 r["back_to_back_vs_fastest_fixed"] = r["back_to_back_s"] / min(ahead)
+        if name.startswith("smartremat") and r.get("program"):
+            r["same_program_as"] = next((n for n, f in fixed.items() if f.get("program") == r["program"]), None)
         if name.startswith("smartremat") and fastest is not None and "first_s" in r:
             r["first_call_vs_fastest_fixed_compile"] = r["first_s"] / fixed[fastest]["compile_s"]
 
@@ -339,8 +351,17 @@ def markdown(r: dict) -> str:
             lines += ["", f"## {name}: budget {x['budget_mb']:.0f} MB, predicted {x['predicted_mb']:.0f} MB, compiled "
                       f"{x['temp_mb']:.0f} MB (model error {x['predicted_mb'] / x['temp_mb'] - 1:+.1%}); first call "
                       f"{x['first_s']:.1f} s, {_f(x.get('first_call_vs_fastest_fixed_compile'), '.1f')}x the fastest "
-                      "fixed strategy's compile", ""] + _compiles(x) + ["```", x["explain"], "```"]
+                      "fixed strategy's compile" + _same(x), ""] + _compiles(x) + ["```", x["explain"], "```"]
     return "\n".join(lines) + "\n"
+
+
+def _same(x: dict) -> str:
+    """Whether smartremat compiled the program of a fixed strategy (then their times differ by noise
+    and the wrapper's host work alone)."""
+    if "same_program_as" not in x:
+        return ""
+    other = x["same_program_as"]
+    return f"; the same program as {other}" if other else "; a program no fixed strategy compiled"
 
 
 def _compiles(x: dict) -> list[str]:

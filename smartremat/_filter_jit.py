@@ -70,8 +70,10 @@ class PlannedStep:
         """Plan (if not yet) and lower the planned step, as `eqx.filter_jit(step).lower(...)`:
         `.compile().memory_analysis()` then gives the compiler's figures of the step that runs."""
         (entry, _, _), _ = self._entry(args, kwargs)
-        lowered, box = lower_step(entry.sig, (entry.classes, entry.assignments), self.options.donate)
-        return Lowered(lowered, entry.sig, box, self.__wrapped__, self._bound)
+        entry_of = (entry.classes, entry.assignments)
+        lowered, box = lower_step(entry.sig, entry_of, self.options.donate)
+        return Lowered(lowered, entry.sig, box, self.__wrapped__, self._bound,
+                       lambda: compiled_step(entry.sig, entry_of, self.options.donate)[0])
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The `Plan` for these arguments (made on first use): what `smartremat.explain` returns."""
@@ -88,16 +90,19 @@ class PlannedStep:
 
 
 class Lowered:
-    """The lowered planned step: `.compile()` gives a `Compiled`; `.as_text()` its StableHLO."""
+    """The lowered planned step: `.compile()` gives a `Compiled` (the executable the step's calls
+    run, compiled once: after a call it compiles nothing); `.as_text()` its StableHLO."""
 
-    def __init__(self, lowered: Any, sig: Signature, box: Box, fun: Callable, bound: tuple = ()):
+    def __init__(self, lowered: Any, sig: Signature, box: Box, fun: Callable, bound: tuple = (),
+                 executable: Callable[[], Any] | None = None):
         self.lowered, self._sig, self._box, self._fun, self._bound = lowered, sig, box, fun, bound
+        self._executable = executable if executable is not None else lambda: compile_quietly(lowered)
 
     def as_text(self) -> str:
         return self.lowered.as_text()
 
     def compile(self) -> Compiled:
-        return Compiled(compile_quietly(self.lowered), self._sig, self._box, self._fun, self._bound)
+        return Compiled(self._executable(), self._sig, self._box, self._fun, self._bound)
 
 
 class Compiled:
@@ -113,6 +118,10 @@ class Compiled:
 
     def cost_analysis(self) -> Any:
         return self.compiled.cost_analysis()
+
+    def as_text(self) -> str:
+        """The compiled (optimised) HLO, as `jax.stages.Compiled.as_text`."""
+        return self.compiled.as_text()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, dynamic = static_split(self._fun, *bind(self._fun, (*self._bound, *args), kwargs))

@@ -142,7 +142,8 @@ def test_the_accelerator_check_runs_tiny_on_a_simulated_chip(tmp_path, standard_
                                          "full,none", "--steps", "1", "--out", str(tmp_path), "--precision", "highest"])
     path = next(tmp_path.glob("accelerator_check_*.json"))
     written = json.loads(path.read_text())
-    assert written == json.loads(json.dumps(result)) and path.with_suffix(".md").read_text()
+    md = path.with_suffix(".md").read_text()
+    assert written == json.loads(json.dumps(result)) and md
     assert path.name.endswith("_unrolled_float32_batch2_highest.json") and written["matmul_precision"] == "highest"
     assert {"device", "jax", "equinox", "bytes_limit", "flops_per_step", "commands", "runs"} <= set(written)
     assert written["bytes_limit"] == 2**20 and written["commands"][0].startswith("benchmarks/accelerator_check.py")
@@ -162,6 +163,14 @@ def test_the_accelerator_check_runs_tiny_on_a_simulated_chip(tmp_path, standard_
     moved = types.SimpleNamespace(kept={"full": (1.0, [g], [p]), "x": (1.0, [g * 1.01], [p])}, compute="float32")
     assert accelerator_check.differences(moved, "x")["answer"].startswith("1 leaves differ; [1][0]: 8 of 8 entries")
     assert smart["step_s"] > 0 and smart["vs_fastest_fixed"] is not None and written["fastest_fitting_fixed"] == "full"
+    assert smart["back_to_back_s"] > 0 and smart["back_to_back_vs_fastest_fixed"] is not None
+    # the program smartremat ran (its executable, not compiled again) against the fixed strategies'
+    assert len({runs[n]["program"] for n in ("full", "smartremat 0.9", "smartremat auto")}) == 2
+    assert runs["smartremat auto"]["same_program_as"] is None and "a program no fixed strategy compiled" in md
+    runs["full"]["program"] = runs["smartremat auto"]["program"]
+    accelerator_check.derived(written, written["flops_per_step"], written["peak_tflops"])
+    assert runs["smartremat auto"]["same_program_as"] == "full"
+    assert "the same program as full" in accelerator_check.markdown(written)
     with pytest.raises(SystemExit, match="--strategies none: the reference of the differences, full, is needed"):
         accelerator_check.main(["--size", "tiny", "--strategies", "none", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--budgets 1e3: auto or numbers of MB"):

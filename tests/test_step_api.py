@@ -80,6 +80,22 @@ def test_lower_compile_and_explain_read_the_step_that_runs():
     assert "ResidualBlock" in str(plan) and set(plan.policies) == {f"layers[{i}]" for i in range(3)}
 
 
+def test_lower_compile_after_a_call_is_the_executable_that_runs(monkeypatch):
+    """`.lower(...).compile()` after a call compiles nothing: it is the executable the calls run,
+    and its `as_text()` is that program's optimised HLO."""
+    args = _setup()
+    planned = smartremat.filter_jit(step, budget_mb=8)
+    expected = planned(*args)
+    compiles = []
+    original = jax.stages.Lowered.compile
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: compiles.append(1) or original(self, *a, **k))
+    compiled = planned.lower(*args).compile()
+    assert not compiles, "the step that runs was compiled again"
+    assert "ENTRY" in compiled.as_text()
+    assert compiled.memory_analysis().temp_size_in_bytes == planned.plan(*args).compiled_peak_bytes
+    assert tree_allclose(compiled(*args), expected, rtol=0)
+
+
 @smartremat.smartremat(budget_mb=1000)
 class Decorated(TutorialStack):
     pass
