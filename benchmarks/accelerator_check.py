@@ -2,7 +2,7 @@
 `smartremat.filter_jit` against every fixed per-block policy, on one accelerator.
 
     python benchmarks/accelerator_check.py [--layout unrolled|scanned] [--dtype float32|bfloat16]
-        [--batch 8] [--budgets auto,9500] [--strategies none,full,dots_nb,dots] [--steps 10]
+        [--batch 8] [--budgets auto,9500,9500/flat] [--strategies none,full,dots_nb,dots] [--steps 10]
         [--merge] [--out docs/results] [--size gpt2-medium|tiny]
 
 The model is GPT-2-medium-shaped and written the ordinary Equinox way (`benchmarks.models.SequenceGPT`:
@@ -184,11 +184,13 @@ def compiled_fixed(check: Check, row: dict) -> Any:
 
 
 def planned_step(budget: str, row: dict) -> Any:
-    """`make` for smartremat: `filter_jit(step, budget_mb=...)`, planned on the first call."""
+    """`make` for smartremat: `filter_jit(step, budget_mb=...)`, planned on the first call; a budget
+    ending in `/flat` plans with `nested=False` (whole blocks only)."""
 
     def make(model: Any, opt_state: Any) -> Any:
-        mb: Any = "auto" if budget == "auto" else float(budget)
-        planned = smartremat.filter_jit(step, budget_mb=mb, donate="all")
+        amount, _, flat = budget.partition("/")
+        mb: Any = "auto" if amount == "auto" else float(amount)
+        planned = smartremat.filter_jit(step, budget_mb=mb, donate="all", nested=flat != "flat")
         row["planned"] = planned
         return planned
 
@@ -212,7 +214,8 @@ def plan_row(row: dict, check: Check) -> None:
                predicted_mb=plan.predicted_peak_bytes / MB, lowest_mb=plan.min_peak_bytes / MB,
                full_predicted_mb=plan.full_remat_peak_bytes / MB, none_predicted_mb=plan.no_remat_peak_bytes / MB,
                compiles=plan.compiles, planning_s=plan.planning_seconds,
-               policies=" ".join(b.policy for b in plan.blocks), explain=str(plan))
+               policies=" ".join(b.policy for b in plan.blocks), explain=str(plan),
+               options=" ".join(sorted({o.name for b in plan.blocks for o in b.options})))  # what planning weighed
 
 
 def compute_dtype(dtype: str) -> str:
@@ -292,7 +295,8 @@ def check(size: str, layout: str, dtype: str, batch: int, budgets: list[str], na
 def _runs(c: Check, budgets: list[str], names: list[str]) -> list[tuple[str, Any]]:
     """The first budget (`"auto"` where asked) on a fresh process, then the fixed strategies (the
     reference first), then the other budgets: a call cut short has the comparison that matters."""
-    planned = [(f"smartremat {b}", lambda row, b=b: planned_step(b, row)) for b in sorted(budgets, key=lambda b: b != "auto")]
+    planned = [(f"smartremat {b}", lambda row, b=b: planned_step(b, row))
+               for b in sorted(budgets, key=lambda b: not b.startswith("auto"))]
     fixed = [(n, lambda row: compiled_fixed(c, row)) for n in sorted(names, key=lambda n: n != REFERENCE)]
     return planned[:1] + fixed + planned[1:]
 
@@ -380,7 +384,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layout", default="unrolled", choices=["unrolled", "scanned"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--budgets", default="auto,9500", help="smartremat's budgets: auto and/or MB, comma-separated")
+    ap.add_argument("--budgets", default="auto,9500", help="smartremat's budgets: auto and/or MB, comma-separated; "
+                    "one ending in /flat plans whole blocks only (nested=False)")
     ap.add_argument("--strategies", default="none,full,dots_nb,dots", help=f"fixed strategies ({REFERENCE} is needed)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps after the first")
     ap.add_argument("--peak-tflops", type=float, default=None)
@@ -398,8 +403,9 @@ def main(argv: list[str] | None = None) -> dict:
     budgets = [b for b in args.budgets.split(",") if b]
     if names and REFERENCE not in names:
         raise SystemExit(f"--strategies {args.strategies}: the reference of the differences, {REFERENCE}, is needed")
-    if not all(b == "auto" or re.fullmatch(r"[0-9.]+", b) for b in budgets):
-        raise SystemExit(f"--budgets {args.budgets}: auto or numbers of MB, comma-separated")
+    if not all(re.fullmatch(r"(auto|[0-9.]+)(/flat)?", b) for b in budgets):
+        raise SystemExit(f"--budgets {args.budgets}: auto or numbers of MB, each optionally followed by /flat "
+                         "(nested=False), comma-separated")
     command = " ".join(["benchmarks/accelerator_check.py", *(sys.argv[1:] if argv is None else argv)])
     precision = contextlib.nullcontext() if args.precision is None else jax.default_matmul_precision(args.precision)
     with precision:
