@@ -16,7 +16,7 @@ from ._cache import KeyedCache
 from ._env import environment_key
 from ._decorator import make_config
 from ._plan import Plan
-from ._step import (Box, Signature, applying, bind, compile_quietly, compiled_step, lower_step, quick_split, root_modules,
+from ._step import (Box, Signature, applying, bind, compiled_step, lower_step, quick_split, root_modules,
                     split_args, static_split, step_name, traced, traced_once)
 from ._step_plan import Entry, StepOptions, plan_step
 
@@ -93,10 +93,10 @@ class Lowered:
     """The lowered planned step: `.compile()` gives a `Compiled` (the executable the step's calls
     run, compiled once: after a call it compiles nothing); `.as_text()` its StableHLO."""
 
-    def __init__(self, lowered: Any, sig: Signature, box: Box, fun: Callable, bound: tuple = (),
-                 executable: Callable[[], Any] | None = None):
+    def __init__(self, lowered: Any, sig: Signature, box: Box, fun: Callable, bound: tuple,
+                 executable: Callable[[], Any]):
         self.lowered, self._sig, self._box, self._fun, self._bound = lowered, sig, box, fun, bound
-        self._executable = executable if executable is not None else lambda: compile_quietly(lowered)
+        self._executable = executable  # the step's cached executable (`_step.compiled_step`)
 
     def as_text(self) -> str:
         return self.lowered.as_text()
