@@ -169,6 +169,19 @@ def _fixed_bytes(call: Callable, spec: CallSpec, calls: Sequence[BlockCall], pro
     return max(internal - block_inputs, 0)
 
 
+def described(model: MemoryModel, choice: tuple[int, ...]) -> str:
+    """A choice as the log names it: each stage's option, runs of one option counted
+    (`"dots_with_no_batch_dims_saveable x18, none x3"`)."""
+    names = [model.menus[ci][o].name for ci, o in zip(model.owner, choice)]
+    runs: list[list] = []
+    for name in names:
+        if runs and runs[-1][0] == name:
+            runs[-1][1] += 1
+        else:
+            runs.append([name, 1])
+    return ", ".join(name if n == 1 else f"{name} x{n}" for name, n in runs)
+
+
 def choices_of(model: MemoryModel, choice: tuple[int, ...]) -> dict[Path, Option]:
     """`{block path: chosen option or Segments}`, one entry per distinct block."""
     per_call: dict[int, list[int]] = {}

@@ -26,11 +26,11 @@ from ._key import PlanKey
 from ._env import CPU_NOTE, MB, cpu_barrier_missing
 from ._jax_private import carrying_config
 from ._memory import cost_of, objective_of, peak_at, peak_of
-from ._model import Config, MemoryModel, assignment_of, choices_of, full_remat, stage_figures, uniform, unplanned
+from ._model import Config, MemoryModel, assignment_of, choices_of, described, full_remat, stage_figures, uniform, unplanned
 from ._paths import path_str
 from ._plan import Plan, PlanBlock, PolicyFigures
 from ._refused import Refused, over_budget
-from ._search import MAX_CANDIDATES, UNBUILT, CandidateFigures, Estimates, Outcome, checked_pair, search, spread
+from ._search import UNBUILT, CandidateFigures, Estimates, Outcome, candidates, checked_pair, search
 from ._solve import Solution, frontier, min_peak, solve
 from ._share import shared, timing_together
 from ._tune import Timed, pool, timings, tuned
@@ -140,7 +140,8 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
     the one of fewest temp bytes), found by `_search.search`
     with few whole-step compiles.
 
-    Candidates are the model's Pareto frontier (at most `MAX_CANDIDATES` points, spread evenly;
+    Candidates are the model's Pareto frontier (`_search.candidates`: points spread evenly, and
+    more near the budget;
     above `_MAX_FRONTIER_STAGES` stages, where enumerating it is too slow, only the lowest-peak
     choice `lowest` and the model's choice `sol`) and the uniform plans the model does not rule
     out (`_search`); where none of them fits, the programs the model was refined on
@@ -158,7 +159,7 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
     measure, confirm, time_of = _measures(model, config, target, refused)
     stages = model.stages
     front = frontier(stages) if len(stages) <= _MAX_FRONTIER_STAGES else sorted({lowest, sol}, key=lambda s: s.peak)
-    points = [p.choice for p in spread(front, MAX_CANDIDATES)]
+    points = [p.choice for p in candidates(front, lambda p: p.peak + model.fixed_bytes, config.budget_bytes)]
     looped = any(st.run is not None for st in stages)
 
     def rank(choice: tuple[int, ...], flops: float) -> float:  # the compiled FLOPs, charged for kept bytes
@@ -184,6 +185,9 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
     def measure_built(choice: tuple[int, ...]) -> tuple[int, float]:
         figures = measure(choice)  # raises `Unbuildable` for a candidate that cannot be built
         built.append(choice)
+        got = (f"compiled {figures[0] / MB:.1f} MB, {figures[1] / 1e9:.1f} GFLOP" if math.isfinite(figures[1])
+               else f"refused ({figures[0] / MB:.1f} MB)")
+        progress(f"candidate {described(model, choice)}: predicted {peak(choice) / MB:.1f} MB, {got}")
         return figures
 
     try:

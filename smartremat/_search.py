@@ -1,8 +1,8 @@
 """Hold the model's frontier against the compiler with few whole-step compiles (docs/how-it-works.md,
 step 5, walks the rules).
 
-The candidates are the model's Pareto frontier (sorted by predicted peak, at most `MAX_CANDIDATES`
-points spread evenly) and the uniform plans. `search` compiles the point the model chooses, then
+The candidates are the model's Pareto frontier (sorted by predicted peak: `MAX_CANDIDATES` points
+spread evenly, and as many more near the budget, `candidates`) and the uniform plans. `search` compiles the point the model chooses, then
 guesses by the predicted peaks scaled by the compiled/predicted ratio of the nearest compiled point
 (every candidate if the lowest-peak point misses: fusion and buffer reuse can reorder plans near
 the floor, and a device that refused the lowest may hold another: fuzz seed 20261206, case 81);
@@ -30,6 +30,7 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 MAX_CANDIDATES = 16
 #: The next cheaper frontier point than one that fits is not compiled when it is predicted (scaled by
@@ -44,6 +45,10 @@ WIN_MARGIN = 0.02
 #: orders otherwise, and a choice made on such a difference made the compiled temp bytes rise as the
 #: budget fell (tests/test_step.py's and tests/test_fit.py's transformer; docs/fit.md, "Planning time").
 TIE_MARGIN = 0.005
+#: Frontier points predicted within this share of the budget (either side) are candidates as well
+#: as those spread over the whole frontier (`candidates`): the model's error on the TPU's GPT-2-medium
+#: is 5.6% either way (docs/fit.md), and up to 20% on the quick benchmark's ResNet.
+NEAR_BUDGET = 0.15
 #: Candidates compiled together in one search step: a step that needs one fills the second with a
 #: uniform plan that could win (`spare` in `_search`).
 SPARE_BATCH = 2
@@ -92,6 +97,18 @@ def spread(front: Sequence, n: int) -> list:
         return list(front)
     idx = sorted({round(k * (len(front) - 1) / (n - 1)) for k in range(n)})
     return [front[i] for i in idx]
+
+
+def candidates(front: Sequence, peak: Callable[[Any], float], budget: int, n: int = MAX_CANDIDATES) -> list:
+    """The frontier points the search may compile, sorted by predicted peak as `front` is: `n`
+    spread evenly over the whole frontier, and up to `n` more spread evenly over those the model
+    predicts within `NEAR_BUDGET` of `budget`. Spread over the whole frontier alone, neighbours
+    near the budget can be far apart: on the TPU's 24-block GPT-2-medium they were about 2 GB
+    apart, and at 9500 MB the search compiled uniform `dots_with_no_batch_dims_saveable` (8926 MB)
+    with no candidate between it and the next point (docs/fit.md)."""
+    near = [p for p in front if budget / (1 + NEAR_BUDGET) <= peak(p) <= budget * (1 + NEAR_BUDGET)]
+    keep = {id(p) for p in [*spread(front, n), *spread(near, n)]}
+    return [p for p in front if id(p) in keep]
 
 
 class CandidateFigures:
@@ -231,6 +248,12 @@ def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimat
         ready = [u for u in could if u not in batch]
         return batch + tuple(ready[: SPARE_BATCH - len(batch)])
 
+    def settled(lo: int, hi: int) -> bool:
+        """No point between `lo` (fits) and `hi` (misses) can win: the model puts the cheapest of
+        them within `TIE_MARGIN` of `lo`'s rank, a tie `lo` wins with its fewer temp bytes."""
+        low = points[lo]
+        return model.flops(low) - model.flops(points[hi - 1]) <= TIE_MARGIN * abs(rank(low, compiled.figures[low][1]))
+
     guess = _guess(points, predicted, {}, budget, 0, len(points))
     compiled(*spare(points[guess]))
     for attempt in range(2):  # missed: the next guess; missed again: with the lowest-peak point
@@ -239,7 +262,7 @@ def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimat
         guess = _guess(points, predicted, compiled.figures, budget, 0, guess)
         compiled(*spare(points[guess], *([points[0]] if attempt else [])))
     while True:
-        _bracket(points, predicted, compiled, budget, spare)
+        _bracket(points, predicted, compiled, budget, spare, settled)
         best = _best(compiled, budget, rank)
         if best is not None:
             compiled(*_could_win(uniforms, model, compiled, points, predicted, budget, best, rank))
@@ -294,16 +317,18 @@ def _could_win(uniforms: Sequence[Choice], model: Estimates, compiled: Candidate
 
 
 def _bracket(points: Sequence[Choice], predicted: Sequence[float], compiled: CandidateFigures, budget: int,
-             spare: Callable[..., tuple[Choice, ...]]) -> None:
+             spare: Callable[..., tuple[Choice, ...]], settled: Callable[[int, int], bool]) -> None:
     """Compile frontier points until a fitting one is known and the next cheaper one misses,
     compiled or as predicted (scaled by the smallest ratio seen) by more than `MISS_MARGIN` (or the
-    cheapest point fits). Interpolation by the calibrated model, falling back to bisection when the
-    bracket does not shrink fast."""
+    cheapest point fits), or until no point between them can win (`settled`). Interpolation by
+    the calibrated model, falling back to bisection when the bracket does not shrink fast."""
     lo, hi = _known_bracket(points, compiled.figures, budget)
     steps = 0
     while hi - lo > 1:
         ratios = _ratios(points, predicted, compiled.figures).values()
         if lo >= 0 and ratios and predicted[lo + 1] * min(ratios) > budget * (1 + MISS_MARGIN):
+            return
+        if lo >= 0 and settled(lo, hi):
             return
         i = (lo + hi) // 2 if steps >= 2 else _guess(points, predicted, compiled.figures, budget, lo + 1, hi)
         compiled(*spare(points[i]))

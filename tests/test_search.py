@@ -1,10 +1,12 @@
 """Verification's search along the frontier, on synthetic compiled figures (no compiler)."""
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smartremat._search import Estimates, search, spread
+from smartremat._search import NEAR_BUDGET, Estimates, candidates, search, spread
 
 
 def _run(temps, predicted, uniform_temps, budget, flops=None, uniform_flops=0.5, exact=None,
@@ -221,6 +223,10 @@ def test_planning_says_what_it_is_doing_and_counts_its_compiles(monkeypatch, cap
     assert len(plan.checked) == candidates  # each candidate's predicted peak beside its compiled temp
     assert (plan.predicted_peak_bytes, plan.compiled_peak_bytes) in plan.checked
     assert f"{plan.compiles} whole-step compiles" in str(plan)
+    named = re.findall(r"candidate (.+): predicted ([0-9.]+) MB, compiled ([0-9.]+) MB, [0-9.]+ GFLOP", caplog.text)
+    assert len(named) == candidates  # each candidate named with its figures, as the plan records them
+    said = sorted(float(x) for _, p, c in named for x in (p, c))
+    assert said == pytest.approx(sorted(x / 2**20 for pair in plan.checked for x in pair), abs=0.051)
 
 
 def test_an_over_predicted_cheaper_neighbour_is_compiled():
@@ -300,3 +306,25 @@ def test_candidates_that_cannot_be_built_are_skipped_not_raised(steps, ratio, da
     assert out.choice == (max(fits),)  # the cheapest buildable plan that fits
     assert out.skipped == len(broken & {c[0] for c in asked})
     assert not broken & {c[0] for c in out.measured} and len(out.measured) == len(out.checked)  # paired
+
+
+def test_candidates_are_spread_over_the_frontier_and_dense_near_the_budget():
+    """Spread over the whole frontier alone, the points near the budget were 2 GB apart on the
+    TPU's GPT-2-medium (docs/fit.md): here 400 points spread alone are 26-27 apart everywhere."""
+    front = [(i,) for i in range(400)]  # predicted peak i
+    got = candidates(front, lambda p: p[0], 200, n=16)
+    assert got == sorted(got) and len(got) <= 32
+    assert set(spread(front, 16)) <= set(got)
+    near = [p[0] for p in got if 200 / (1 + NEAR_BUDGET) <= p[0] <= 200 * (1 + NEAR_BUDGET)]
+    assert max(b - a for a, b in zip(near, near[1:])) <= 5
+
+
+@pytest.mark.parametrize("step,want,compiles", [(0.5, (3,), 1), (10.0, (4,), 2)])
+def test_the_bracket_stops_where_no_point_left_can_beat_the_fitting_one_by_the_tie_margin(step, want, compiles):
+    """The model over-predicts by 20%: the first guess (3,) fits, and (4,) would too. Where the
+    model's FLOPs between them differ by less than `TIE_MARGIN` of the rank, (3,) would win the
+    tie anyway (fewer temp bytes): nothing more is compiled. Where they differ by more, the
+    bracket goes on and (4,) wins."""
+    temps = [10 * (i + 1) for i in range(10)]
+    out, asked, _ = _run(temps, [t * 1.2 for t in temps], [], 55, flops=[1000 - step * i for i in range(10)])
+    assert out.choice == want and len(asked) == compiles
