@@ -71,7 +71,9 @@ import numpy as np
 import optax
 
 import smartremat
+from smartremat import internal
 from benchmarks.answers import tree_mismatches
+from benchmarks.common import replaced
 from benchmarks.planning_time import compile_breakdown, recorded_compiles
 from benchmarks.models import SequenceGPT, sequence_gpt_loss
 from benchmarks.strategies import program_text, strategy
@@ -185,16 +187,24 @@ def compiled_fixed(check: Check, row: dict) -> Any:
 
 def planned_step(budget: str, row: dict) -> Any:
     """`make` for smartremat: `filter_jit(step, budget_mb=...)`, planned on the first call; a budget
-    ending in `/flat` plans with `nested=False` (whole blocks only)."""
+    with `/flat` plans with `nested=False` (whole blocks only); one with `/tie=<share>` plans
+    with that tie margin (`margin_of`)."""
 
     def make(model: Any, opt_state: Any) -> Any:
-        amount, _, flat = budget.partition("/")
+        amount, *suffixes = budget.split("/")
         mb: Any = "auto" if amount == "auto" else float(amount)
-        planned = smartremat.filter_jit(step, budget_mb=mb, donate="all", nested=flat != "flat")
+        planned = smartremat.filter_jit(step, budget_mb=mb, donate="all", nested="flat" not in suffixes)
         row["planned"] = planned
         return planned
 
     return make
+
+
+def margin_of(name: str) -> contextlib.AbstractContextManager:
+    """The search's tie margin while a run named `smartremat <budget>/tie=<share>` plans (its
+    first call): `smartremat.internal.TIE_MARGIN` replaced; no change for any other run."""
+    tie = re.search(r"/tie=([0-9.]+)", name)
+    return contextlib.nullcontext() if tie is None else replaced(internal.TIE_MARGIN, float(tie.group(1)))
 
 
 def program_hash(hlo: str) -> str:
@@ -279,7 +289,7 @@ def check(size: str, layout: str, dtype: str, batch: int, budgets: list[str], na
     result["commands"].append(command)
     for name, maker in _runs(c, budgets, names):  # written after each run: a call cut short keeps what it measured
         row: dict = {}
-        with recorded_compiles() as record:  # what smartremat's first call compiles, by what for
+        with recorded_compiles() as record, margin_of(name):  # what smartremat's first call compiles, by what for
             row.update(c.run(name, maker(row), steps))
         if name.startswith("smartremat"):
             row["compiles_by_kind"] = compile_breakdown(record)
@@ -385,7 +395,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--budgets", default="auto,9500", help="smartremat's budgets: auto and/or MB, comma-separated; "
-                    "one ending in /flat plans whole blocks only (nested=False)")
+                    "one with /flat plans whole blocks only (nested=False), one with /tie=<share> with that "
+                    "tie margin of the search (default smartremat.internal.TIE_MARGIN)")
     ap.add_argument("--strategies", default="none,full,dots_nb,dots", help=f"fixed strategies ({REFERENCE} is needed)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps after the first")
     ap.add_argument("--peak-tflops", type=float, default=None)
@@ -403,9 +414,9 @@ def main(argv: list[str] | None = None) -> dict:
     budgets = [b for b in args.budgets.split(",") if b]
     if names and REFERENCE not in names:
         raise SystemExit(f"--strategies {args.strategies}: the reference of the differences, {REFERENCE}, is needed")
-    if not all(re.fullmatch(r"(auto|[0-9.]+)(/flat)?", b) for b in budgets):
+    if not all(re.fullmatch(r"(auto|[0-9.]+)(/flat)?(/tie=[0-9.]+)?", b) for b in budgets):
         raise SystemExit(f"--budgets {args.budgets}: auto or numbers of MB, each optionally followed by /flat "
-                         "(nested=False), comma-separated")
+                         "(nested=False) and /tie=<share> (the search's tie margin), comma-separated")
     command = " ".join(["benchmarks/accelerator_check.py", *(sys.argv[1:] if argv is None else argv)])
     precision = contextlib.nullcontext() if args.precision is None else jax.default_matmul_precision(args.precision)
     with precision:

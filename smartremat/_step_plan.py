@@ -20,7 +20,7 @@ from ._model import Config, MemoryModel, after_stage, as_notes, build_model, joi
 from ._plan import Plan
 from ._cost import aval_bytes
 from ._refused import Refused
-from ._memory import peak_at
+from ._memory import peak_at, peak_of
 from ._search import Unbuildable
 from ._solve import min_peak
 from ._planner import Runs, planned
@@ -96,7 +96,8 @@ class StepTarget:
 
     def reference(self, model: MemoryModel) -> tuple[StepFigures, tuple[int, ...]]:
         """`(figures, choice)` of a compiled step to refine the model on: the step without remat;
-        where the device refuses it for memory (XLA:TPU, docs/facts.md fact 21), the model's choice
+        where the device refuses it for memory (XLA:TPU, docs/facts.md fact 21), or the model puts
+        it above the device's memory before compiling it (`beyond_device`), the model's choice
         of lowest peak with the last block without remat (what follows that block then runs beside
         its kept bytes, as without remat); where that is refused too, the lowest choice itself.
         Where the last block is an iteration of a scan, the lowest choice comes first: leaving the
@@ -107,7 +108,8 @@ class StepTarget:
         search goes on with the model unrefined (and `budget_mb="auto"` on `abstract_figures`)."""
         lowest = min_peak(model.stages).choice
         plain = (0,) * len(lowest)
-        choices: dict[tuple[int, ...], str] = {plain: ""}
+        beyond = self.beyond_device(model, plain)
+        choices: dict[tuple[int, ...], str] = {} if beyond else {plain: ""}
         at_last = peak_at(model.stages, lowest)[1] == len(lowest) - 1  # else the tail does not set its peak
         if at_last and model.stages[-1].run is not None:
             choices[lowest] = "the model's lowest plan"
@@ -122,9 +124,22 @@ class StepTarget:
                 refused = e if isinstance(e, Refused) else refused
                 continue
             if choice != plain:
-                self.said = (REFERENCE_NOTE.format(plan=described),)
+                self.said = (REFERENCE_NOTE.format(why=BEYOND if beyond else REFUSED, plan=described),)
             return figures, choice
         raise refused
+
+    def beyond_device(self, model: MemoryModel, choice: tuple[int, ...]) -> bool:
+        """Whether the model, before it is refined, puts `choice` above the device's memory: its
+        blocks' peak (the rest of the step not yet counted) beside the step's arguments and
+        outputs. Such a reference is not compiled: XLA:TPU would refuse it after a compile (12 s
+        for the TPU check's GPT-2-medium without remat, and as long again to trace and lower it)."""
+        if not self.memory or self._sharded():  # sharded: the model counts one device doing all the work
+            return False
+        f = self.abstract_figures()
+        beyond = peak_of(model.stages, choice) + f.arguments + f.outputs - f.alias > self.memory
+        if beyond:
+            logger.debug("smartremat: the step without remat is modelled above the device's memory; not compiled")
+        return beyond
 
     def figures(self, model: MemoryModel, choice: tuple[int, ...]) -> StepFigures:
         """The compiled figures of the step under `choice` (`_refused.Refused` if the device
@@ -172,9 +187,11 @@ class StepTarget:
     #: Its programs are the user's step: a refusal of them all is final.
     stands_in = False
 
+    def _sharded(self) -> bool:
+        return any(len(getattr(a.sharding, "device_set", ())) > 1 for a in self.sig.avals)
+
     def _sharded_notes(self) -> tuple[str, ...]:
-        sharded = any(len(getattr(a.sharding, "device_set", ())) > 1 for a in self.sig.avals)
-        hidden = sharded and any(shardings_hidden(c.spec) for c in self.calls)
+        hidden = self._sharded() and any(shardings_hidden(c.spec) for c in self.calls)
         return (HIDDEN_NOTE,) if hidden else ()
 
 
@@ -219,8 +236,10 @@ def _device_limit(sig: Signature) -> int | None:
 
 
 #: Plan notes where the step without remat did not fit the device (`StepTarget.reference`).
-REFERENCE_NOTE = ("the step without remat does not fit the device: the rest of the step (after the last block) "
+REFERENCE_NOTE = ("the step without remat {why}: the rest of the step (after the last block) "
                   "was measured with {plan}")
+#: Why `REFERENCE_NOTE`'s reference is not the step without remat.
+REFUSED, BEYOND = "does not fit the device", "is modelled above the device's memory (not compiled)"
 NO_REFERENCE_NOTE = ("neither the step without remat nor the model's lowest plans fit the device: the rest of the "
                      "step (after the last block) is not measured, and the compiler alone judged the candidates")
 

@@ -9,7 +9,8 @@ every smartremat module that holds it), not to be called.
 - the memory model and its solver: `Stage`, `peak_of`, `solve`, `frontier`, `frontier_by_solving`;
 - the compiles that profile a block and measure a step: `measuring_options`, `profiling_options`,
   `compiled_temp`, `compiled_temps`, `calibration`, `chainable`, `chain_job`;
-- the whole-step planner: `tail`, `verified`; a compile the device refuses, `Refused`.
+- the whole-step planner: `tail`, `verified`; a compile the device refuses, `Refused`; the
+  search's `TIE_MARGIN`.
 """
 
 # timing as `tune=True` times: run.py, studies/timing_order.py, timing_noise.py, tune_vs_bench.py
@@ -43,9 +44,12 @@ from ._step_plan import tail as tail
 from ._planner import verified as verified
 # a compile the device refuses for memory: studies/step_model.py
 from ._refused import Refused as Refused
+# the search's tie margin, replaced (`benchmarks.common.replaced`) while a check plans with another:
+# accelerator_check.py's budgets ending in /tie=<share>
+from ._search import TIE_MARGIN as TIE_MARGIN
 
 __all__ = [
     "quick_split", "split_args", "round_orders", "synthetic", "TimedRun", "timings", "Stage", "peak_of", "solve", "frontier",
     "frontier_by_solving", "measuring_options", "profiling_options", "compiled_temp", "compiled_temps",
-    "calibration", "chainable", "chain_job", "tail", "verified", "Refused",
+    "calibration", "chainable", "chain_job", "tail", "verified", "Refused", "TIE_MARGIN",
 ]

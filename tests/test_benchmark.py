@@ -138,7 +138,7 @@ def test_the_accelerator_check_runs_tiny_on_a_simulated_chip(tmp_path, standard_
     from tests.simulated_chip import simulated_chip
 
     with simulated_chip(2**20):
-        result = accelerator_check.main(["--size", "tiny", "--batch", "2", "--budgets", "0.9/flat,auto", "--strategies",
+        result = accelerator_check.main(["--size", "tiny", "--batch", "2", "--budgets", "0.9/flat/tie=0,auto", "--strategies",
                                          "full,none", "--steps", "1", "--out", str(tmp_path), "--precision", "highest"])
     path = next(tmp_path.glob("accelerator_check_*.json"))
     written = json.loads(path.read_text())
@@ -149,10 +149,10 @@ def test_the_accelerator_check_runs_tiny_on_a_simulated_chip(tmp_path, standard_
     assert written["bytes_limit"] == 2**20 and written["commands"][0].startswith("benchmarks/accelerator_check.py")
     runs = written["runs"]
     # "auto" on a fresh process, then the fixed strategies (the reference first), then the other budgets
-    assert list(runs) == ["smartremat auto", "full", "none", "smartremat 0.9/flat"]
-    assert "dots_saveable" in runs["smartremat 0.9/flat"]["options"]  # what planning weighed ("/flat": nested=False)
+    assert list(runs) == ["smartremat auto", "full", "none", "smartremat 0.9/flat/tie=0"]
+    assert "dots_saveable" in runs["smartremat 0.9/flat/tie=0"]["options"]  # what planning weighed ("/flat": nested=False)
     assert "RESOURCE_EXHAUSTED" in runs["none"]["refused"] and written["compute_dtype"] == "float32"
-    for smart in (runs["smartremat 0.9/flat"], runs["smartremat auto"]):
+    for smart in (runs["smartremat 0.9/flat/tie=0"], runs["smartremat auto"]):
         assert smart["temp_mb"] <= smart["budget_mb"] and smart["policies"] and smart["explain"]
         assert max(smart["loss_diff"], smart["grad_diff"], smart["param_diff"]) < 1e-5
         assert smart["answer"] == "same"
@@ -166,7 +166,8 @@ def test_the_accelerator_check_runs_tiny_on_a_simulated_chip(tmp_path, standard_
     assert smart["step_s"] > 0 and smart["vs_fastest_fixed"] is not None and written["fastest_fitting_fixed"] == "full"
     assert smart["back_to_back_s"] > 0 and smart["back_to_back_vs_fastest_fixed"] is not None
     # the program smartremat ran (its executable, not compiled again) against the fixed strategies'
-    assert len({runs[n]["program"] for n in ("full", "smartremat 0.9/flat", "smartremat auto")}) == 2
+    # three programs: with the default tie margin "0.9/flat" ran one of the other two (on 99186fb), "/tie=0" another
+    assert len({runs[n]["program"] for n in ("full", "smartremat 0.9/flat/tie=0", "smartremat auto")}) == 3
     assert runs["smartremat auto"]["same_program_as"] is None and "a program no fixed strategy compiled" in md
     runs["full"]["program"] = runs["smartremat auto"]["program"]
     accelerator_check.derived(written, written["flops_per_step"], written["peak_tflops"])
@@ -176,6 +177,11 @@ def test_the_accelerator_check_runs_tiny_on_a_simulated_chip(tmp_path, standard_
         accelerator_check.main(["--size", "tiny", "--strategies", "none", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--budgets 1e3: auto or numbers of MB, each optionally followed by /flat"):
         accelerator_check.main(["--size", "tiny", "--budgets", "1e3", "--out", str(tmp_path)])
+    from smartremat import _search, internal
+
+    with accelerator_check.margin_of("smartremat auto/tie=0.25"):  # "/tie=": the search's tie margin while it plans
+        assert _search.TIE_MARGIN == 0.25
+    assert _search.TIE_MARGIN == internal.TIE_MARGIN != 0.25
 
 
 def test_a_mixed_strategy_places_each_blocks_policy_and_gives_the_same_answer():
