@@ -297,6 +297,7 @@ def check(size: str, layout: str, dtype: str, batch: int, budgets: list[str], na
         result["runs"][name] = row
         print(f"{name}: {_short(row)}", flush=True)
         derived(result, c.flops, peak)
+        write(path, result)  # before the comparison: a call cut during it keeps the row
         _compare_kept(c, result)
         write(path, result)
     return result
