@@ -22,8 +22,11 @@ then `--steps` more steps fed with the previous outputs, timed one by one (media
 part before the call returns: the Python wrapper's work and the dispatch, before the device waits),
 then `--steps` more back to back, as a training loop dispatches them (the mean, from the first call
 to the last step's outputs: the host's work overlaps the chip's but for the first); its state is then
-freed, so runs are sequential, not interleaved: one training state of this model takes 4.5 GB of the
-chip. Rows: compiled temp bytes, compile (or first call) seconds, step time, model FLOPs utilisation
+freed, so runs are sequential: one training state of this model takes 4.5 GB of the chip. Then
+(`--rounds`) the runs' steps are timed interleaved on one shared training state (their states have
+the same leaves): each round calls every step once, in an order rotated round by round; a run's
+"interleaved" time is its median, its ratio the median over rounds of its time over the fastest
+fixed strategy's in the same round, so a drift of the chip or host over the call cancels. Rows: compiled temp bytes, compile (or first call) seconds, step time, model FLOPs utilisation
 (6 N + 12 L T d FLOPs per token against the chip's peak, `--peak-tflops`), the process's
 `peak_bytes_in_use`, and the largest difference from the reference run (full remat) of the loss,
 gradients and parameters, per leaf over its largest value, and whether they are within the
@@ -125,6 +128,8 @@ class Check:
         self.flops = 6 * n * tokens + 12 * shape["layers"] * shape["seq"] * shape["d"] * tokens
         self.parameters = n
         self.kept: dict[str, tuple] = {}
+        self.steps: dict[str, tuple[Any, Any]] = {}  # name: (step, its state's treedef), for `interleaved`
+        self.keep_steps = False
         self.compute = compute_dtype(dtype)
 
     def fresh(self, name: str) -> tuple[Any, Any]:
@@ -147,6 +152,8 @@ class Check:
             return {"refused": message, "first_s": time.perf_counter() - t0}
         first = time.perf_counter() - t0
         self.kept[name] = (float(loss), on_host(first_moment(opt_state)), on_host(model))
+        if self.keep_steps:
+            self.steps[name] = (jitted, jax.tree.structure((model, opt_state)))
         times, host = [], []
         for _ in range(steps):
             t1 = time.perf_counter()
@@ -165,6 +172,38 @@ class Check:
         return {"first_s": first, "step_s": statistics.median(times) if times else None,
                 "host_s": statistics.median(host) if host else None, "back_to_back_s": through,
                 "peak_bytes_in_use": stats.get("peak_bytes_in_use")}
+
+
+def interleaved(check: Check, rounds: int) -> dict[str, dict]:
+    """`{name: {"interleaved_s": median, "interleaved_vs_fastest_fixed": median ratio}}` of the kept
+    steps called in turn on one training state, `rounds` rounds after an untimed one (module docstring)."""
+    names = list(check.steps)
+    if not names or rounds <= 0:
+        return {}
+    model, opt_state = check.fresh("smartremat")
+    leaves = jax.tree.leaves((model, opt_state))
+    del model, opt_state
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds + 1):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            jitted, treedef = check.steps[name]
+            t = time.perf_counter()
+            _, model, opt_state = jax.block_until_ready(jitted(*jax.tree.unflatten(treedef, leaves), check.tokens))
+            if r:
+                times[name].append(time.perf_counter() - t)
+            leaves = jax.tree.leaves((model, opt_state))
+            del model, opt_state
+    del leaves
+    check.steps.clear()
+    gc.collect()
+    fixed = [n for n in names if not n.startswith("smartremat")]
+    out: dict[str, dict] = {n: {"interleaved_s": statistics.median(times[n])} for n in names}
+    if fixed:
+        fastest = min(fixed, key=lambda n: statistics.median(times[n]))
+        for n in names:
+            ratios = [a / b for a, b in zip(times[n], times[fastest])]
+            out[n].update(interleaved_vs_fastest_fixed=statistics.median(ratios), interleaved_against=fastest)
+    return out
 
 
 def _blocks(model: SequenceGPT) -> list:
@@ -271,7 +310,7 @@ def derived(result: dict, check_flops: float, peak: float | None) -> None:
 
 
 def check(size: str, layout: str, dtype: str, batch: int, budgets: list[str], names: list[str], steps: int,
-          out: pathlib.Path, merge: bool, peak: float | None, command: str) -> dict:
+          out: pathlib.Path, merge: bool, peak: float | None, command: str, rounds: int = 0) -> dict:
     device = jax.devices()[0]
     precision = jax.config.jax_default_matmul_precision or ""
     name = f"{device.platform} {device.device_kind} {layout} {dtype} batch{batch} {precision}"
@@ -279,6 +318,7 @@ def check(size: str, layout: str, dtype: str, batch: int, budgets: list[str], na
     path = out / f"accelerator_check_{slug.strip('_')}.json"
     result = json.loads(path.read_text()) if merge and path.exists() else {"runs": {}, "commands": []}
     c = Check(size, layout, dtype, batch)
+    c.keep_steps = rounds > 0
     peak = peak or PEAK_TFLOPS.get(device.device_kind)
     result.update(device=device.device_kind, platform=device.platform, jax=jax.__version__,
                   equinox=eqx.__version__, smartremat_version=smartremat.__version__,
@@ -300,6 +340,11 @@ def check(size: str, layout: str, dtype: str, batch: int, budgets: list[str], na
         write(path, result)  # before the comparison: a call cut during it keeps the row
         _compare_kept(c, result)
         write(path, result)
+    for name, figures in interleaved(c, rounds).items():
+        result["runs"][name].update(figures, rounds=rounds)
+        print(f"{name}: interleaved {figures['interleaved_s'] * 1e3:.1f} ms, "
+              f"{figures.get('interleaved_vs_fastest_fixed', float('nan')):.4f} of {figures.get('interleaved_against')}", flush=True)
+    write(path, result)
     return result
 
 
@@ -361,6 +406,13 @@ def markdown(r: dict) -> str:
                      f"| {_f(x.get('mfu'), '.1%')} "
                      f"| {_f(x.get('peak_bytes_in_use'), '.0f', 1 / MB)} | {_f(x.get('loss_diff'), '.1e')} "
                      f"| {_f(x.get('grad_diff'), '.1e')} | {_f(x.get('param_diff'), '.1e')} | {x.get('answer', '-')} |")
+    timed = [(n, x) for n, x in r["runs"].items() if "interleaved_s" in x]
+    if timed:
+        lines += ["", "Interleaved on one training state (median of each run's rounds; its time over the fastest "
+                  "fixed strategy's in the same round, median over rounds):", "",
+                  "| run | rounds | interleaved ms | / fastest fixed (same round) |", "|---|---|---|---|"]
+        lines += [f"| {n} | {x['rounds']} | {x['interleaved_s'] * 1e3:.1f} | {_f(x.get('interleaved_vs_fastest_fixed'), '.4f')}"
+                  f" ({x.get('interleaved_against', '-')}) |" for n, x in timed]
     for name, x in r["runs"].items():
         if name.startswith("smartremat") and "explain" in x:
             lines += ["", f"## {name}: budget {x['budget_mb']:.0f} MB, predicted {x['predicted_mb']:.0f} MB, compiled "
@@ -400,6 +452,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "tie margin of the search (default smartremat.internal.TIE_MARGIN)")
     ap.add_argument("--strategies", default="none,full,dots_nb,dots", help=f"fixed strategies ({REFERENCE} is needed)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps after the first")
+    ap.add_argument("--rounds", type=int, default=10, help="interleaved rounds of every run's step after the runs "
+                    "(0: none)")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--merge", action="store_true", help="add these runs to the file's")
     ap.add_argument("--out", default="docs/results")
@@ -422,7 +476,7 @@ def main(argv: list[str] | None = None) -> dict:
     precision = contextlib.nullcontext() if args.precision is None else jax.default_matmul_precision(args.precision)
     with precision:
         result = check(args.size, args.layout, args.dtype, args.batch, budgets, names, args.steps,
-                       pathlib.Path(args.out), args.merge, args.peak_tflops, command)
+                       pathlib.Path(args.out), args.merge, args.peak_tflops, command, args.rounds)
     print(markdown(result))
     return result
 

@@ -108,7 +108,7 @@ class StepTarget:
         search goes on with the model unrefined (and `budget_mb="auto"` on `abstract_figures`)."""
         lowest = min_peak(model.stages).choice
         plain = (0,) * len(lowest)
-        beyond = self.beyond_device(model, plain)
+        beyond = self.beyond_device(model)
         choices: dict[tuple[int, ...], str] = {} if beyond else {plain: ""}
         at_last = peak_at(model.stages, lowest)[1] == len(lowest) - 1  # else the tail does not set its peak
         if at_last and model.stages[-1].run is not None:
@@ -128,15 +128,16 @@ class StepTarget:
             return figures, choice
         raise refused
 
-    def beyond_device(self, model: MemoryModel, choice: tuple[int, ...]) -> bool:
-        """Whether the model, before it is refined, puts `choice` above the device's memory: its
-        blocks' peak (the rest of the step not yet counted) beside the step's arguments and
+    def beyond_device(self, model: MemoryModel) -> bool:
+        """Whether the model, before it is refined, puts the step without remat above the device's
+        memory: its blocks' peak (the rest of the step not yet counted) beside the step's arguments and
         outputs. Such a reference is not compiled: XLA:TPU would refuse it after a compile (12 s
         for the TPU check's GPT-2-medium without remat, and as long again to trace and lower it)."""
         if not self.memory or self._sharded():  # sharded: the model counts one device doing all the work
             return False
         f = self.abstract_figures()
-        beyond = peak_of(model.stages, choice) + f.arguments + f.outputs - f.alias > self.memory
+        plain = (0,) * len(model.stages)
+        beyond = peak_of(model.stages, plain) + f.arguments + f.outputs - f.alias > self.memory
         if beyond:
             logger.debug("smartremat: the step without remat is modelled above the device's memory; not compiled")
         return beyond

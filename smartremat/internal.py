@@ -9,7 +9,7 @@ every smartremat module that holds it), not to be called.
 - the memory model and its solver: `Stage`, `peak_of`, `solve`, `frontier`, `frontier_by_solving`;
 - the compiles that profile a block and measure a step: `measuring_options`, `profiling_options`,
   `compiled_temp`, `compiled_temps`, `calibration`, `chainable`, `chain_job`;
-- the whole-step planner: `tail`, `verified`; a compile the device refuses, `Refused`; the
+- the whole-step planner: `tail`, `StepTarget`, `verified`; a compile the device refuses, `Refused`; the
   search's `TIE_MARGIN`.
 """
 
@@ -41,6 +41,8 @@ from ._profile import chain_job as chain_job
 from ._step import quick_split as quick_split
 from ._step import split_args as split_args
 from ._step_plan import tail as tail
+# the whole-step target, whose reference skip studies/reference_skip.py turns off
+from ._step_plan import StepTarget as StepTarget
 from ._planner import verified as verified
 # a compile the device refuses for memory: studies/step_model.py
 from ._refused import Refused as Refused
@@ -51,5 +53,5 @@ from ._search import TIE_MARGIN as TIE_MARGIN
 __all__ = [
     "quick_split", "split_args", "round_orders", "synthetic", "TimedRun", "timings", "Stage", "peak_of", "solve", "frontier",
     "frontier_by_solving", "measuring_options", "profiling_options", "compiled_temp", "compiled_temps",
-    "calibration", "chainable", "chain_job", "tail", "verified", "Refused", "TIE_MARGIN",
+    "calibration", "chainable", "chain_job", "tail", "StepTarget", "verified", "Refused", "TIE_MARGIN",
 ]

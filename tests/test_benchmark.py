@@ -139,7 +139,8 @@ def test_the_accelerator_check_runs_tiny_on_a_simulated_chip(tmp_path, standard_
 
     with simulated_chip(2**20):
         result = accelerator_check.main(["--size", "tiny", "--batch", "2", "--budgets", "0.9/flat/tie=0,auto", "--strategies",
-                                         "full,none", "--steps", "1", "--out", str(tmp_path), "--precision", "highest"])
+                                         "full,none", "--steps", "1", "--out", str(tmp_path), "--precision", "highest",
+                                         "--rounds", "2"])
     path = next(tmp_path.glob("accelerator_check_*.json"))
     written = json.loads(path.read_text())
     md = path.with_suffix(".md").read_text()
@@ -165,6 +166,11 @@ def test_the_accelerator_check_runs_tiny_on_a_simulated_chip(tmp_path, standard_
     assert accelerator_check.differences(moved, "x")["answer"].startswith("1 leaves differ; [1][0]: 8 of 8 entries")
     assert smart["step_s"] > 0 and smart["vs_fastest_fixed"] is not None and written["fastest_fitting_fixed"] == "full"
     assert smart["back_to_back_s"] > 0 and smart["back_to_back_vs_fastest_fixed"] is not None
+    # the steps timed in turn on one shared state (each run's treedef over the same leaves), after the runs
+    assert "interleaved_s" not in runs["none"] and runs["full"]["interleaved_vs_fastest_fixed"] == 1.0
+    for smart in (runs["smartremat 0.9/flat/tie=0"], runs["smartremat auto"]):
+        assert smart["rounds"] == 2 and smart["interleaved_s"] > 0 and smart["interleaved_against"] == "full"
+    assert "| smartremat auto | 2 |" in md and "Interleaved on one training state" in md
     # the program smartremat ran (its executable, not compiled again) against the fixed strategies'
     # three programs: with the default tie margin "0.9/flat" ran one of the other two (on 99186fb), "/tie=0" another
     assert len({runs[n]["program"] for n in ("full", "smartremat 0.9/flat/tie=0", "smartremat auto")}) == 3
