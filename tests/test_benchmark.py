@@ -216,3 +216,33 @@ def test_a_mixed_strategy_places_each_blocks_policy_and_gives_the_same_answer():
         strategy(model, "dots_nb*2", lambda m: m.blocks)
     with pytest.raises(ValueError, match=r"strategy 'dots_nb\+sometimes\+none': 3 policies of"):
         strategy(model, "dots_nb+sometimes+none", lambda m: m.blocks)
+
+
+def test_the_planning_breakdown_is_judged_against_dots_nb_where_the_chip_refuses_no_remat(standard_promotion):
+    """`benchmarks/planning_time.py --real` on an accelerator at real size: the plain step is
+    refused, so the first plan is judged against the step with every block under dots_nb, and no
+    remat's temp bytes (which set the budget) are read off the refusal."""
+    import equinox as eqx
+    import jax
+
+    from benchmarks.models import GPT, gpt_loss
+    from benchmarks.planning_time import baseline_compile
+    from benchmarks.strategies import strategy
+    from tests.simulated_chip import simulated_chip
+
+    model = GPT(2, 32, 2, 32, 64, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (32, 32), 0, 64)
+
+    def step(model, tokens):
+        loss, grads = eqx.filter_value_and_grad(gpt_loss)(model, tokens)
+        return loss, eqx.apply_updates(model, jax.tree.map(lambda g: -1e-3 * g, grads))
+
+    what, seconds, plain = baseline_compile(step, model, tokens)
+    assert what == "plain" and seconds > 0
+    fixed = strategy(model, "dots_nb", lambda m: m.blocks)
+    m = eqx.filter_jit(step).lower(fixed, tokens).compile().compiled.memory_analysis()
+    assert m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes < plain - 1  # dots_nb fits
+    with simulated_chip(plain - 1) as chip:
+        what, seconds, read = baseline_compile(step, model, tokens)
+    assert what == "no remat refused; dots_nb's" and len(chip.refused) == 1
+    assert abs(read - plain) <= 0.005 * plain  # XLA prints two decimals of the unit
