@@ -37,10 +37,13 @@ fastest fitting fixed strategy's compile, and the first call's compiles by what 
 profiles, reference step, candidate steps, the step that runs: `benchmarks.planning_time.compile_breakdown`,
 count, seconds summed over threads and wall seconds covered).
 
+The answers are compared last, after the interleaved rounds (on the TPU host two calls stalled
+in the comparison after the third run; `kill -USR1` prints every thread's stack, e.g. `timeout -s
+USR1 -k 20 530 python benchmarks/accelerator_check.py ...`).
 The figures go to `<out>/accelerator_check_<device>_<layout>_<dtype>_batch<B>.json` and `.md`;
 `--merge` adds this call's runs to that file's (a check larger than one device call, run in parts;
-differences are from the reference run of the same call). The file is written after each run, with its
-comparison with the reference (once the reference has run; then the run's host copies are dropped).
+differences are from the reference run of the same call). The file is written after each run, after
+the interleaved rounds, and after the comparisons.
 A strategy may also be a plan placed by hand, one policy per block in order
 (`benchmarks.strategies.mixed`, e.g. `"attn:dots_nb*3+dots_nb*18+none*3"`: `attn:` puts the block's
 attention alone under the policy), to time smartremat's plan against the same plan without smartremat.
@@ -57,12 +60,14 @@ import benchmarks.common  # noqa: F401  (the CPU flag, only where there is no ac
 
 import argparse
 import contextlib
+import faulthandler
 import gc
 import hashlib
 import json
 import logging
 import pathlib
 import re
+import signal
 import statistics
 import time
 from typing import Any
@@ -337,13 +342,13 @@ def check(size: str, layout: str, dtype: str, batch: int, budgets: list[str], na
         result["runs"][name] = row
         print(f"{name}: {_short(row)}", flush=True)
         derived(result, c.flops, peak)
-        write(path, result)  # before the comparison: a call cut during it keeps the row
-        _compare_kept(c, result)
         write(path, result)
     for name, figures in interleaved(c, rounds).items():
         result["runs"][name].update(figures, rounds=rounds)
         print(f"{name}: interleaved {figures['interleaved_s'] * 1e3:.1f} ms, "
               f"{figures.get('interleaved_vs_fastest_fixed', float('nan')):.4f} of {figures.get('interleaved_against')}", flush=True)
+    write(path, result)
+    _compare_kept(c, result)  # last: on the TPU host, two calls stalled in it (docs/fit.md); the timings are written
     write(path, result)
     return result
 
@@ -363,6 +368,7 @@ def _compare_kept(c: Check, result: dict) -> None:
     if REFERENCE not in c.kept:
         return
     for other in [n for n in c.kept if n != REFERENCE]:
+        print(f"{other}: comparing with {REFERENCE}", flush=True)
         result["runs"][other].update(differences(c, other))
         print(f"{other}: {result['runs'][other].get('answer', '-')}", flush=True)
         del c.kept[other]
@@ -462,6 +468,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "by default, so remat changes rounding: 'highest' checks the answers exactly)")
     ap.add_argument("--verbose", action="store_true", help="log what planning does, with the time")
     args = ap.parse_args(argv)
+    if hasattr(faulthandler, "register"):  # `kill -USR1` prints every thread's stack (a call that stalls)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.verbose:
         logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
         logging.getLogger("smartremat").setLevel(logging.INFO)
