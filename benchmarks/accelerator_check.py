@@ -37,9 +37,9 @@ fastest fitting fixed strategy's compile, and the first call's compiles by what 
 profiles, reference step, candidate steps, the step that runs: `benchmarks.planning_time.compile_breakdown`,
 count, seconds summed over threads and wall seconds covered).
 
-The answers are compared last, after the interleaved rounds (on the TPU host two calls stalled
-in the comparison after the third run; `kill -USR1` prints every thread's stack, e.g. `timeout -s
-USR1 -k 20 530 python benchmarks/accelerator_check.py ...`).
+The answers are compared last, after the interleaved rounds, each with its wall time (on the TPU
+host two calls ran out of time in the comparison after the third run; `kill -USR1` prints every
+thread's stack, e.g. `timeout -s USR1 -k 20 530 python benchmarks/accelerator_check.py ...`).
 The figures go to `<out>/accelerator_check_<device>_<layout>_<dtype>_batch<B>.json` and `.md`;
 `--merge` adds this call's runs to that file's (a check larger than one device call, run in parts;
 differences are from the reference run of the same call). The file is written after each run, after
@@ -348,7 +348,7 @@ def check(size: str, layout: str, dtype: str, batch: int, budgets: list[str], na
         print(f"{name}: interleaved {figures['interleaved_s'] * 1e3:.1f} ms, "
               f"{figures.get('interleaved_vs_fastest_fixed', float('nan')):.4f} of {figures.get('interleaved_against')}", flush=True)
     write(path, result)
-    _compare_kept(c, result)  # last: on the TPU host, two calls stalled in it (docs/fit.md); the timings are written
+    _compare_kept(c, result)  # last: two TPU calls ran out of time in it (docs/fit.md); the timings are written first
     write(path, result)
     return result
 
@@ -368,9 +368,10 @@ def _compare_kept(c: Check, result: dict) -> None:
     if REFERENCE not in c.kept:
         return
     for other in [n for n in c.kept if n != REFERENCE]:
-        print(f"{other}: comparing with {REFERENCE}", flush=True)
+        print(f"{other}: comparing with {REFERENCE} at {time.strftime('%H:%M:%S')}", flush=True)
+        t = time.perf_counter()
         result["runs"][other].update(differences(c, other))
-        print(f"{other}: {result['runs'][other].get('answer', '-')}", flush=True)
+        print(f"{other}: {result['runs'][other].get('answer', '-')} ({time.perf_counter() - t:.1f} s)", flush=True)
         del c.kept[other]
 
 
