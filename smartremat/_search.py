@@ -250,9 +250,12 @@ def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimat
 
     def settled(lo: int, hi: int) -> bool:
         """No point between `lo` (fits) and `hi` (misses) can win: the model puts the cheapest of
-        them within `TIE_MARGIN` of `lo`'s rank, a tie `lo` wins with its fewer temp bytes."""
-        low = points[lo]
-        return model.flops(low) - model.flops(points[hi - 1]) <= TIE_MARGIN * abs(rank(low, compiled.figures[low][1]))
+        them that could fit (predicted, scaled by the smallest compiled/predicted ratio seen, within
+        `MISS_MARGIN` of the budget) within `TIE_MARGIN` of `lo`'s rank, a tie `lo` wins with its
+        fewer temp bytes."""
+        low, scale = points[lo], min(_ratios(points, predicted, compiled.figures).values(), default=1.0)
+        last = max((i for i in range(lo + 1, hi) if predicted[i] * scale <= budget * (1 + MISS_MARGIN)), default=lo)
+        return model.flops(low) - model.flops(points[last]) <= TIE_MARGIN * abs(rank(low, compiled.figures[low][1]))
 
     guess = _guess(points, predicted, {}, budget, 0, len(points))
     compiled(*spare(points[guess]))
