@@ -191,13 +191,20 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
         return figures
 
     try:
-        out = search(points, uniforms, Estimates(peak, objective), config.budget_bytes, measure_built, rank,
+        estimates = Estimates(peak, objective, step_flops(model))
+        out = search(points, uniforms, estimates, config.budget_bytes, measure_built, rank,
                      error, progress, confirm, fallback=model.refined_on)
     except _Unconfirmed:
         return _unconfirmed(model, config, target, lowest, tuple(dict.fromkeys(built)), refused)
     if config.tune:
         out = _fastest(out, points, uniforms, config, measure, confirm, time_of, peak, progress)
     return Solution(out.choice, peak_of(stages, out.choice), objective_of(stages, out.choice)), out
+
+
+def step_flops(model: MemoryModel) -> float:
+    """A lower estimate of the FLOPs of a step through the model's blocks, besides what a plan
+    recomputes: each block call's forward, and its backward at twice that."""
+    return 3.0 * sum(model.profiles[c].forward.flops for c in model.owner)
 
 
 class _Unconfirmed(Exception):

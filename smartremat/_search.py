@@ -181,6 +181,10 @@ class Estimates:
 
     peak: Callable[[Choice], float]
     flops: Callable[[Choice], float]
+    #: A lower estimate of a step's FLOPs besides what it recomputes (its blocks' forward and
+    #: backward): before anything is compiled, the first compile's spare is judged against it, as
+    #: later ones are against a compiled step's FLOPs (`_could_win`). 0: against the point's `flops`.
+    step: float = 0.0
 
 
 def search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimates, budget: int,
@@ -230,7 +234,7 @@ def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimat
         idle; a uniform plan the search would most likely compile later compiles there in the same
         wall time. The very first compile (nothing compiled yet) is judged against the point
         itself: a uniform plan the model predicts within `FIT_MARGIN` of the budget and within
-        `WIN_MARGIN` of the point's FLOPs. The batch size is fixed, not the core count, so that
+        `WIN_MARGIN` of the point's step FLOPs (its `flops` and the model's `step` estimate). The batch size is fixed, not the core count, so that
         which candidates are compiled does not depend on the machine."""
         figures, batch = compiled.figures, (point, *more)
         if len(batch) >= SPARE_BATCH:
@@ -313,7 +317,7 @@ def _could_win(uniforms: Sequence[Choice], model: Estimates, compiled: Candidate
     if judged is None:
         raise ValueError("_could_win needs `best` or `against`")
     ref = model.flops(judged)
-    slack = WIN_MARGIN * abs(ref if best is None else rank(best, compiled.figures[best][1]))
+    slack = WIN_MARGIN * abs(ref + model.step if best is None else rank(best, compiled.figures[best][1]))
     return [u for u in uniforms if u not in compiled.figures
             and model.peak(u) * scale <= budget * (1 + FIT_MARGIN)
             and model.flops(u) - ref <= slack]

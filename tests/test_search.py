@@ -341,3 +341,21 @@ def test_the_bracket_stops_where_no_point_that_could_fit_can_beat_the_fitting_on
     out, asked, table = _run(temps, [t * 1.2 for t in temps], [], 55, flops=flops)
     assert out.choice == (3,) and asked == [(3,)]
     assert _exhaustive(table, 55) == (4,)  # by FLOPs alone; the tie goes to (3,)'s fewer temp bytes
+
+
+@pytest.mark.parametrize("step,first", [(0.0, 1), (1000.0, 2)])
+def test_the_first_compile_judges_its_spare_against_the_step_not_the_recompute(step, first):
+    """Before anything is compiled, a uniform plan compiles beside the guess where the model puts
+    it within `WIN_MARGIN` of the guess's step FLOPs: its recompute and the model's `step`
+    estimate (on the CPU's GPT-2-small the guess recomputes less than `dots_saveable` on every
+    block, which then compiled alone after it, and won). Against the recompute alone (no `step`),
+    a difference of 5 of 10 FLOPs is far beyond the margin; against a step of 1010, within it."""
+    temps = [10 * (i + 1) for i in range(16)]
+    flops = {(i,): float(16 - i) for i in range(16)} | {(100,): 15.0}
+    batches = []
+    out = search([(i,) for i in range(16)], [(100,)],
+                 Estimates(({(i,): 10.0 * (i + 1) for i in range(16)} | {(100,): 90.0}).__getitem__, flops.__getitem__,
+                           step),
+                 105, lambda c: (temps[c[0]], flops[c]) if c != (100,) else (90, 15.0), lambda c, f: f,
+                 lambda floor: ValueError(floor), batches.append)
+    assert int(batches[0].split()[1]) == first and out.choice == (9,)  # (9,): 100 bytes, 7 FLOPs
