@@ -38,8 +38,9 @@ profiles, reference step, candidate steps, the step that runs: `benchmarks.plann
 count, seconds summed over threads and wall seconds covered).
 
 The answers are compared last, after the interleaved rounds, each with its wall time (on the TPU
-host two calls ran out of time in the comparison after the third run; `kill -USR1` prints every
-thread's stack, e.g. `timeout -s USR1 -k 20 530 python benchmarks/accelerator_check.py ...`).
+host a comparison took 63 s unrolled and 212 s scanned, whose stacked leaves leave memory for one
+thread; `kill -USR1` prints every thread's stack, e.g. `timeout -s USR1 -k 20 530 python
+benchmarks/accelerator_check.py ...`).
 The figures go to `<out>/accelerator_check_<device>_<layout>_<dtype>_batch<B>.json` and `.md`;
 `--merge` adds this call's runs to that file's (a check larger than one device call, run in parts;
 differences are from the reference run of the same call). The file is written after each run, after
@@ -47,7 +48,9 @@ the interleaved rounds, and after the comparisons.
 A strategy may also be a plan placed by hand, one policy per block in order
 (`benchmarks.strategies.mixed`, e.g. `"attn:dots_nb*3+dots_nb*18+none*3"`: `attn:` puts the block's
 attention alone under the policy), to time smartremat's plan against the same plan without smartremat.
-`--size tiny` runs the same machinery on a tiny model on the CPU (tests/test_benchmark.py).
+A strategy named `<name>@<k>` is `<name>` compiled once more, apart (one program compiled twice: how far
+two compiles of it time apart). `--no-answers` times only. `--size tiny` runs the same machinery on a
+tiny model on the CPU (tests/test_benchmark.py).
 """
 
 from __future__ import annotations
@@ -139,12 +142,14 @@ class Check:
 
     def fresh(self, name: str) -> tuple[Any, Any]:
         model = eqx.combine(jax.tree.map(jnp.asarray, self.params), self.static)
-        model = model if name.startswith("smartremat") else strategy(model, name, lambda m: _blocks(m))
+        model = model if name.startswith("smartremat") else strategy(model, name.split("@")[0], lambda m: _blocks(m))
         return model, OPT.init(eqx.filter(model, eqx.is_array))
 
     def run(self, name: str, make: Any, steps: int) -> dict:
         """One run: `make()` gives `(compile seconds or None, callable step)`; see the module docstring."""
         model, opt_state = self.fresh(name)
+        if "@" in name:  # compiled apart: not the executable JAX keeps for the same program
+            jax.clear_caches()
         t0 = time.perf_counter()
         try:
             jitted = make(model, opt_state)
@@ -315,7 +320,8 @@ def derived(result: dict, check_flops: float, peak: float | None) -> None:
 
 
 def check(size: str, layout: str, dtype: str, batch: int, budgets: list[str], names: list[str], steps: int,
-          out: pathlib.Path, merge: bool, peak: float | None, command: str, rounds: int = 0) -> dict:
+          out: pathlib.Path, merge: bool, peak: float | None, command: str, rounds: int = 0,
+          answers: bool = True) -> dict:
     device = jax.devices()[0]
     precision = jax.config.jax_default_matmul_precision or ""
     name = f"{device.platform} {device.device_kind} {layout} {dtype} batch{batch} {precision}"
@@ -348,8 +354,9 @@ def check(size: str, layout: str, dtype: str, batch: int, budgets: list[str], na
         print(f"{name}: interleaved {figures['interleaved_s'] * 1e3:.1f} ms, "
               f"{figures.get('interleaved_vs_fastest_fixed', float('nan')):.4f} of {figures.get('interleaved_against')}", flush=True)
     write(path, result)
-    _compare_kept(c, result)  # last: two TPU calls ran out of time in it (docs/fit.md); the timings are written first
-    write(path, result)
+    if answers:  # last: slow on the TPU host (docs/fit.md); the timings are written first
+        _compare_kept(c, result)
+        write(path, result)
     return result
 
 
@@ -467,6 +474,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--precision", default=None, choices=["default", "high", "highest"],
                     help="jax.default_matmul_precision for every run (a TPU multiplies float32 in bfloat16 passes "
                          "by default, so remat changes rounding: 'highest' checks the answers exactly)")
+    ap.add_argument("--no-answers", action="store_true", help="time only: compare no answers (then "
+                    f"{REFERENCE} is not needed)")
     ap.add_argument("--verbose", action="store_true", help="log what planning does, with the time")
     args = ap.parse_args(argv)
     if hasattr(faulthandler, "register"):  # `kill -USR1` prints every thread's stack (a call that stalls)
@@ -476,7 +485,7 @@ def main(argv: list[str] | None = None) -> dict:
         logging.getLogger("smartremat").setLevel(logging.INFO)
     names = [n for n in args.strategies.split(",") if n]
     budgets = [b for b in args.budgets.split(",") if b]
-    if names and REFERENCE not in names:
+    if names and REFERENCE not in names and not args.no_answers:
         raise SystemExit(f"--strategies {args.strategies}: the reference of the differences, {REFERENCE}, is needed")
     if not all(re.fullmatch(r"(auto|[0-9.]+)(/flat)?(/tie=[0-9.]+)?", b) for b in budgets):
         raise SystemExit(f"--budgets {args.budgets}: auto or numbers of MB, each optionally followed by /flat "
@@ -485,7 +494,8 @@ def main(argv: list[str] | None = None) -> dict:
     precision = contextlib.nullcontext() if args.precision is None else jax.default_matmul_precision(args.precision)
     with precision:
         result = check(args.size, args.layout, args.dtype, args.batch, budgets, names, args.steps,
-                       pathlib.Path(args.out), args.merge, args.peak_tflops, command, args.rounds)
+                       pathlib.Path(args.out), args.merge, args.peak_tflops, command, args.rounds,
+                       not args.no_answers)
     print(markdown(result))
     return result
 

@@ -5,6 +5,7 @@ import json
 import sys
 import types
 
+import jax
 import numpy as np
 import pytest
 
@@ -246,3 +247,15 @@ def test_the_planning_breakdown_is_judged_against_dots_nb_where_the_chip_refuses
         what, seconds, read = baseline_compile(step, model, tokens)
     assert what == "no remat refused; dots_nb's" and len(chip.refused) == 1
     assert abs(read - plain) <= 0.005 * plain  # XLA prints two decimals of the unit
+
+
+def test_the_accelerator_check_compiles_a_strategy_again_under_another_name():
+    """`<name>@<k>` is the fixed strategy `<name>` (a second compile of one program, to time two
+    compiles of it against each other); an unknown name stays an error."""
+    from benchmarks import accelerator_check
+
+    c = accelerator_check.Check("tiny", "unrolled", "float32", 2)
+    again, plain = c.fresh("full@2")[0], c.fresh("full")[0]
+    assert jax.tree.structure(again) == jax.tree.structure(plain) != jax.tree.structure(c.fresh("smartremat")[0])
+    with pytest.raises(ValueError, match="unknown strategy 'fulll'"):
+        c.fresh("fulll@2")
