@@ -2,7 +2,7 @@
 `smartremat.filter_jit` against every fixed per-block policy, on one accelerator.
 
     python benchmarks/accelerator_check.py [--layout unrolled|scanned] [--dtype float32|bfloat16]
-        [--batch 8] [--budgets auto,9500,9500/flat] [--strategies none,full,dots_nb,dots] [--steps 10]
+        [--batch 8] [--budgets auto,9500,9500/flat,auto/raw] [--strategies none,full,dots_nb,dots] [--steps 10]
         [--merge] [--out docs/results] [--size gpt2-medium|tiny]
 
 The model is GPT-2-medium-shaped and written the ordinary Equinox way (`benchmarks.models.SequenceGPT`:
@@ -236,13 +236,15 @@ def compiled_fixed(check: Check, row: dict) -> Any:
 
 def planned_step(budget: str, row: dict) -> Any:
     """`make` for smartremat: `filter_jit(step, budget_mb=...)`, planned on the first call; a budget
-    with `/flat` plans with `nested=False` (whole blocks only); one with `/tie=<share>` plans
-    with that tie margin (`margin_of`)."""
+    with `/flat` plans with `nested=False` (whole blocks only); one with `/raw` with `calibrate=False`
+    (no block compiled: every option's figures from the jaxpr); one with `/tie=<share>` plans with
+    that tie margin (`margin_of`)."""
 
     def make(model: Any, opt_state: Any) -> Any:
         amount, *suffixes = budget.split("/")
         mb: Any = "auto" if amount == "auto" else float(amount)
-        planned = smartremat.filter_jit(step, budget_mb=mb, donate="all", nested="flat" not in suffixes)
+        planned = smartremat.filter_jit(step, budget_mb=mb, donate="all", nested="flat" not in suffixes,
+                                        calibrate="raw" not in suffixes)
         row["planned"] = planned
         return planned
 
@@ -462,7 +464,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--budgets", default="auto,9500", help="smartremat's budgets: auto and/or MB, comma-separated; "
-                    "one with /flat plans whole blocks only (nested=False), one with /tie=<share> with that "
+                    "one with /flat plans whole blocks only (nested=False), one with /raw without block "
+                    "compiles (calibrate=False), one with /tie=<share> with that "
                     "tie margin of the search (default smartremat.internal.TIE_MARGIN)")
     ap.add_argument("--strategies", default="none,full,dots_nb,dots", help=f"fixed strategies ({REFERENCE} is needed)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps after the first")
@@ -487,9 +490,10 @@ def main(argv: list[str] | None = None) -> dict:
     budgets = [b for b in args.budgets.split(",") if b]
     if names and REFERENCE not in names and not args.no_answers:
         raise SystemExit(f"--strategies {args.strategies}: the reference of the differences, {REFERENCE}, is needed")
-    if not all(re.fullmatch(r"(auto|[0-9.]+)(/flat)?(/tie=[0-9.]+)?", b) for b in budgets):
+    if not all(re.fullmatch(r"(auto|[0-9.]+)(/flat)?(/raw)?(/tie=[0-9.]+)?", b) for b in budgets):
         raise SystemExit(f"--budgets {args.budgets}: auto or numbers of MB, each optionally followed by /flat "
-                         "(nested=False) and /tie=<share> (the search's tie margin), comma-separated")
+                         "(nested=False), /raw (calibrate=False) and /tie=<share> (the search's tie margin), "
+                         "comma-separated")
     command = " ".join(["benchmarks/accelerator_check.py", *(sys.argv[1:] if argv is None else argv)])
     precision = contextlib.nullcontext() if args.precision is None else jax.default_matmul_precision(args.precision)
     with precision:

@@ -41,7 +41,7 @@ accelerator refuses it, the compile of the step with every block under dots_nb),
 into its compiles by what each is for (read off the smartremat frames on the compiling thread's
 stack: block profiles, the plain step for the tail, candidate steps, the head, timing, the step
 that runs), with their seconds summed and the wall time they cover; the rest of the wall time is
-tracing, lowering, solving and Python.
+tracing, lowering, solving and Python. `--raw` plans with `calibrate=False` (no block compiled).
 
 With `--flops`, per model and at the budgets a quarter, half and three quarters of the way from full
 remat's compiled temp bytes to no remat's: each uniform plan's compiled FLOPs against the chosen
@@ -324,13 +324,14 @@ def _covered(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def real_breakdown(size: str, share: float = 0.5, with_floor: bool = True) -> str:
+def real_breakdown(size: str, share: float = 0.5, with_floor: bool = True, calibrate: bool = True) -> str:
     """At a real size (`REAL`), compile only: the plain SGD step's compile, then
     `smartremat.filter_jit`'s first plan (and compile) at half the no-remat temp bytes (`share`), split into
     its compiles by what they are for (seconds summed over threads, and the wall time they cover),
     the rest (tracing, lowering, solving, Python) being the wall time no compile covers; then, unless
     not `with_floor`, the time to the infeasible budget's error. Where the device refuses the plain
-    step, against `baseline_compile`'s."""
+    step, against `baseline_compile`'s. Not `calibrate`: planned with `calibrate=False` (no block
+    compiled)."""
     n, d, heads, t, b, v = REAL[size]
     model = GPT(n, d, heads, t, v, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (b, t), 0, v)
@@ -343,18 +344,19 @@ def real_breakdown(size: str, share: float = 0.5, with_floor: bool = True) -> st
     smartremat.clear_caches()
     with recorded_compiles() as record:
         t0 = time.perf_counter()
-        plan = smartremat.filter_jit(step, budget_mb=none_temp * share / MB).plan(model, tokens)
+        plan = smartremat.filter_jit(step, budget_mb=none_temp * share / MB, calibrate=calibrate).plan(model, tokens)
         wall = time.perf_counter() - t0
     kinds = compile_breakdown(record)
     covered = kinds.pop("all")[2]
     parts = "; ".join(f"{k}: {n} compiles, {summed:.2f} s summed, {w:.2f} s wall" for k, (n, summed, w) in kinds.items())
     error = abs(plan.predicted_peak_bytes - plan.compiled_peak_bytes) / plan.compiled_peak_bytes
     floor = _floor_error(step, model, tokens, plain_s) if with_floor else "floor not timed"
-    return (f"{size} (GPT {n} layers, d={d}, {heads} heads, T={t}, batch {b}, vocab {v}) on "
+    return (f"{size}{'' if calibrate else ' (calibrate=False)'} (GPT {n} layers, d={d}, {heads} heads, T={t}, batch {b}, vocab {v}) on "
             f"{jax.devices()[0].device_kind}: {baseline} compile "
             f"{plain_s:.2f} s (no remat's temp {none_temp / MB:.1f} MB); first plan at {none_temp * share / MB:.1f} MB "
             f"{wall:.2f} s = x{wall / plain_s:.1f}, compiled {plan.compiled_peak_bytes / MB:.1f} MB "
-            f"(fits: {plan.compiled_peak_bytes <= none_temp * share}), model error {error:.3f}, Plan.compiles "
+            f"(fits: {plan.compiled_peak_bytes <= none_temp * share}), plan {' | '.join(f'{b.path} {b.policy}' for b in plan.blocks)}, "
+            f"model error {error:.3f}, Plan.compiles "
             f"{plan.compiles}; compiles cover {covered:.2f} s of the wall time, the rest {wall - covered:.2f} s; "
             f"{parts}; {floor}")
 
@@ -425,11 +427,12 @@ def main() -> None:
     ap.add_argument("--real", nargs="*", choices=sorted(REAL),
                     help="only the first plan of a whole SGD step through filter_jit at a real size, split into its compiles")
     ap.add_argument("--no-floor", action="store_true", help="with --real: skip the infeasible budget's error")
+    ap.add_argument("--raw", action="store_true", help="with --real: plan with calibrate=False (no block compiled)")
     args = ap.parse_args()
     if args.real is not None:
         os.environ["SMARTREMAT_DISK_CACHE"] = "0"
         for size in args.real or sorted(REAL, reverse=True):
-            print(real_breakdown(size, with_floor=not args.no_floor), flush=True)
+            print(real_breakdown(size, with_floor=not args.no_floor, calibrate=not args.raw), flush=True)
         return
     if args.profiling_options:
         os.environ["SMARTREMAT_DISK_CACHE"] = "0"

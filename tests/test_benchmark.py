@@ -139,7 +139,7 @@ def test_the_accelerator_check_runs_tiny_on_a_simulated_chip(tmp_path, standard_
     from tests.simulated_chip import simulated_chip
 
     with simulated_chip(2**20):
-        result = accelerator_check.main(["--size", "tiny", "--batch", "2", "--budgets", "0.9/flat/tie=0,auto", "--strategies",
+        result = accelerator_check.main(["--size", "tiny", "--batch", "2", "--budgets", "0.9/flat/raw/tie=0,auto", "--strategies",
                                          "full,none", "--steps", "1", "--out", str(tmp_path), "--precision", "highest",
                                          "--rounds", "2"])
     path = next(tmp_path.glob("accelerator_check_*.json"))
@@ -151,13 +151,14 @@ def test_the_accelerator_check_runs_tiny_on_a_simulated_chip(tmp_path, standard_
     assert written["bytes_limit"] == 2**20 and written["commands"][0].startswith("benchmarks/accelerator_check.py")
     runs = written["runs"]
     # "auto" on a fresh process, then the fixed strategies (the reference first), then the other budgets
-    assert list(runs) == ["smartremat auto", "full", "none", "smartremat 0.9/flat/tie=0"]
-    assert "dots_saveable" in runs["smartremat 0.9/flat/tie=0"]["options"]  # what planning weighed ("/flat": nested=False)
+    assert list(runs) == ["smartremat auto", "full", "none", "smartremat 0.9/flat/raw/tie=0"]
+    assert "dots_saveable" in runs["smartremat 0.9/flat/raw/tie=0"]["options"]  # what planning weighed ("/flat": nested=False)
     assert "RESOURCE_EXHAUSTED" in runs["none"]["refused"] and written["compute_dtype"] == "float32"
-    for smart in (runs["smartremat 0.9/flat/tie=0"], runs["smartremat auto"]):
+    for smart in (runs["smartremat 0.9/flat/raw/tie=0"], runs["smartremat auto"]):
         assert smart["temp_mb"] <= smart["budget_mb"] and smart["policies"] and smart["explain"]
         assert max(smart["loss_diff"], smart["grad_diff"], smart["param_diff"]) < 1e-5
         assert smart["answer"] == "same"
+    assert "block profiles" not in runs["smartremat 0.9/flat/raw/tie=0"]["compiles_by_kind"]  # "/raw": calibrate=False
     kinds = runs["smartremat auto"]["compiles_by_kind"]  # the first call's compiles, by what for
     assert kinds["block profiles"][0] > 0 and kinds["candidate steps (verify)"][0] > 0 and "compiles_by_kind" not in runs["full"]
     assert kinds["all"][0] == sum(n for k, (n, _, _) in kinds.items() if k != "all")
@@ -169,12 +170,13 @@ def test_the_accelerator_check_runs_tiny_on_a_simulated_chip(tmp_path, standard_
     assert smart["back_to_back_s"] > 0 and smart["back_to_back_vs_fastest_fixed"] is not None
     # the steps timed in turn on one shared state (each run's treedef over the same leaves), after the runs
     assert "interleaved_s" not in runs["none"] and runs["full"]["interleaved_vs_fastest_fixed"] == 1.0
-    for smart in (runs["smartremat 0.9/flat/tie=0"], runs["smartremat auto"]):
+    for smart in (runs["smartremat 0.9/flat/raw/tie=0"], runs["smartremat auto"]):
         assert smart["rounds"] == 2 and smart["interleaved_s"] > 0 and smart["interleaved_against"] == "full"
     assert "| smartremat auto | 2 |" in md and "Interleaved on one training state" in md
     # the program smartremat ran (its executable, not compiled again) against the fixed strategies'
     # three programs: with the default tie margin "0.9/flat" ran one of the other two (on 99186fb), "/tie=0" another
-    assert len({runs[n]["program"] for n in ("full", "smartremat 0.9/flat/tie=0", "smartremat auto")}) == 3
+    # (uncalibrated, "/raw", too)
+    assert len({runs[n]["program"] for n in ("full", "smartremat 0.9/flat/raw/tie=0", "smartremat auto")}) == 3
     assert runs["smartremat auto"]["same_program_as"] is None and "a program no fixed strategy compiled" in md
     runs["full"]["program"] = runs["smartremat auto"]["program"]
     accelerator_check.derived(written, written["flops_per_step"], written["peak_tflops"])
