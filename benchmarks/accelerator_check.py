@@ -142,7 +142,9 @@ class Check:
 
     def fresh(self, name: str) -> tuple[Any, Any]:
         model = eqx.combine(jax.tree.map(jnp.asarray, self.params), self.static)
-        model = model if name.startswith("smartremat") else strategy(model, name.split("@")[0], lambda m: _blocks(m))
+        placed = re.search(r"/placed=([^/]+)", name) if name.startswith("smartremat") else None
+        policy = name.split("@")[0] if not name.startswith("smartremat") else placed and placed.group(1)
+        model = strategy(model, policy, lambda m: _blocks(m)) if policy else model
         return model, OPT.init(eqx.filter(model, eqx.is_array))
 
     def run(self, name: str, make: Any, steps: int) -> dict:
@@ -237,8 +239,10 @@ def compiled_fixed(check: Check, row: dict) -> Any:
 def planned_step(budget: str, row: dict) -> Any:
     """`make` for smartremat: `filter_jit(step, budget_mb=...)`, planned on the first call; a budget
     with `/flat` plans with `nested=False` (whole blocks only); one with `/raw` with `calibrate=False`
-    (no block compiled: every option's figures from the jaxpr); one with `/tie=<share>` plans with
-    that tie margin (`margin_of`)."""
+    (no block compiled: every option's figures from the jaxpr); one with `/placed=<strategy>` plans
+    the model with that fixed strategy placed by hand (`Check.fresh`: at a budget no plan needs, the
+    hand-placed policy run through smartremat's step); one with `/tie=<share>` plans with that tie
+    margin (`margin_of`)."""
 
     def make(model: Any, opt_state: Any) -> Any:
         amount, *suffixes = budget.split("/")
@@ -263,11 +267,11 @@ def program_hash(hlo: str) -> str:
     return hashlib.sha256(program_text(hlo).encode()).hexdigest()[:16]
 
 
-def plan_row(row: dict, check: Check) -> None:
+def plan_row(row: dict, check: Check, name: str) -> None:
     planned = row.pop("planned", None)
     if planned is None or "refused" in row:
         return
-    args = (*check.fresh("smartremat"), check.tokens)
+    args = (*check.fresh(name), check.tokens)
     plan = planned.plan(*args)
     row["program"] = program_hash(planned.lower(*args).compile().as_text())  # the executable that ran: no compile
     del args
@@ -316,7 +320,9 @@ def derived(result: dict, check_flops: float, peak: float | None) -> None:
             if r.get("back_to_back_s") and ahead:
                 r["back_to_back_vs_fastest_fixed"] = r["back_to_back_s"] / min(ahead)
         if name.startswith("smartremat") and r.get("program"):
-            r["same_program_as"] = next((n for n, f in fixed.items() if f.get("program") == r["program"]), None)
+            same = [n for n, f in fixed.items() if f.get("program") == r["program"]] + [
+                n for n, f in rows.items() if n != name and n.startswith("smartremat") and f.get("program") == r["program"]]
+            r["same_program_as"] = same[0] if same else None  # a fixed strategy's first, else another plan's
         if name.startswith("smartremat") and fastest is not None and "first_s" in r:
             r["first_call_vs_fastest_fixed_compile"] = r["first_s"] / fixed[fastest]["compile_s"]
 
@@ -346,7 +352,7 @@ def check(size: str, layout: str, dtype: str, batch: int, budgets: list[str], na
             row.update(c.run(name, maker(row), steps))
         if name.startswith("smartremat"):
             row["compiles_by_kind"] = compile_breakdown(record)
-        plan_row(row, c)
+        plan_row(row, c, name)
         result["runs"][name] = row
         print(f"{name}: {_short(row)}", flush=True)
         derived(result, c.flops, peak)
@@ -440,7 +446,7 @@ def markdown(r: dict) -> str:
 
 def _same(x: dict) -> str:
     """Whether smartremat compiled the program of a fixed strategy (then their times differ by noise
-    and the wrapper's host work alone)."""
+    and the wrapper's host work alone), or that of another of its runs (e.g. of a `/placed=` one)."""
     if "same_program_as" not in x:
         return ""
     other = x["same_program_as"]
@@ -465,7 +471,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--budgets", default="auto,9500", help="smartremat's budgets: auto and/or MB, comma-separated; "
                     "one with /flat plans whole blocks only (nested=False), one with /raw without block "
-                    "compiles (calibrate=False), one with /tie=<share> with that "
+                    "compiles (calibrate=False), one with /placed=<strategy> on the model under that fixed "
+                    "strategy, one with /tie=<share> with that "
                     "tie margin of the search (default smartremat.internal.TIE_MARGIN)")
     ap.add_argument("--strategies", default="none,full,dots_nb,dots", help=f"fixed strategies ({REFERENCE} is needed)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps after the first")
@@ -490,10 +497,10 @@ def main(argv: list[str] | None = None) -> dict:
     budgets = [b for b in args.budgets.split(",") if b]
     if names and REFERENCE not in names and not args.no_answers:
         raise SystemExit(f"--strategies {args.strategies}: the reference of the differences, {REFERENCE}, is needed")
-    if not all(re.fullmatch(r"(auto|[0-9.]+)(/flat)?(/raw)?(/tie=[0-9.]+)?", b) for b in budgets):
+    if not all(re.fullmatch(r"(auto|[0-9.]+)(/flat)?(/raw)?(/placed=[\w:*+]+)?(/tie=[0-9.]+)?", b) for b in budgets):
         raise SystemExit(f"--budgets {args.budgets}: auto or numbers of MB, each optionally followed by /flat "
-                         "(nested=False), /raw (calibrate=False) and /tie=<share> (the search's tie margin), "
-                         "comma-separated")
+                         "(nested=False), /raw (calibrate=False), /placed=<strategy> (the model under a fixed "
+                         "strategy) and /tie=<share> (the search's tie margin), comma-separated")
     command = " ".join(["benchmarks/accelerator_check.py", *(sys.argv[1:] if argv is None else argv)])
     precision = contextlib.nullcontext() if args.precision is None else jax.default_matmul_precision(args.precision)
     with precision:

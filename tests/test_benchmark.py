@@ -253,7 +253,8 @@ def test_the_planning_breakdown_is_judged_against_dots_nb_where_the_chip_refuses
 
 def test_the_accelerator_check_compiles_a_strategy_again_under_another_name():
     """`<name>@<k>` is the fixed strategy `<name>` (a second compile of one program, to time two
-    compiles of it against each other); an unknown name stays an error."""
+    compiles of it against each other), and smartremat at a budget `/placed=<name>` plans the model
+    under it; an unknown name stays an error."""
     from benchmarks import accelerator_check
 
     c = accelerator_check.Check("tiny", "unrolled", "float32", 2)
@@ -261,3 +262,13 @@ def test_the_accelerator_check_compiles_a_strategy_again_under_another_name():
     assert jax.tree.structure(again) == jax.tree.structure(plain) != jax.tree.structure(c.fresh("smartremat")[0])
     with pytest.raises(ValueError, match="unknown strategy 'fulll'"):
         c.fresh("fulll@2")
+    # "/placed=": smartremat planning the model with a fixed strategy placed by hand
+    assert jax.tree.structure(c.fresh("smartremat 100000/placed=full")[0]) == jax.tree.structure(plain)
+    rows = {"full": {"step_s": 1.0, "program": "a", "compile_s": 1.0},
+            "smartremat 9": {"step_s": 1.0, "program": "b", "first_s": 2.0},
+            "smartremat 100000/placed=full": {"step_s": 1.0, "program": "b", "first_s": 2.0}}
+    accelerator_check.derived({"runs": rows}, 1.0, None)  # a plan's program is a fixed strategy's, or another plan's
+    assert rows["smartremat 9"]["same_program_as"] == "smartremat 100000/placed=full"
+    rows["full"]["program"] = "b"
+    accelerator_check.derived({"runs": rows}, 1.0, None)
+    assert rows["smartremat 9"]["same_program_as"] == "full"
