@@ -83,6 +83,7 @@ import optax
 
 import smartremat
 from smartremat import internal
+from benchmarks.accelerator_report import markdown
 from benchmarks.answers import tree_mismatches
 from benchmarks.common import replaced
 from benchmarks.planning_time import compile_breakdown, recorded_compiles
@@ -138,9 +139,12 @@ class Check:
         self.kept: dict[str, tuple] = {}
         self.steps: dict[str, tuple[Any, Any]] = {}  # name: (step, its state's treedef), for `interleaved`
         self.keep_steps = False
+        self.keep_answers = True  # the host copies `_compare_kept` compares (3 GB a run at 370 M parameters)
         self.compute = compute_dtype(dtype)
 
     def fresh(self, name: str) -> tuple[Any, Any]:
+        """The run's model on the device (a fixed strategy's placed by hand: `<name>` or `<name>@<k>`,
+        or a smartremat budget's `/placed=<name>`) and Adam's state for it."""
         model = eqx.combine(jax.tree.map(jnp.asarray, self.params), self.static)
         placed = re.search(r"/placed=([^/]+)", name) if name.startswith("smartremat") else None
         policy = name.split("@")[0] if not name.startswith("smartremat") else placed and placed.group(1)
@@ -150,7 +154,7 @@ class Check:
     def run(self, name: str, make: Any, steps: int) -> dict:
         """One run: `make()` gives `(compile seconds or None, callable step)`; see the module docstring."""
         model, opt_state = self.fresh(name)
-        if "@" in name:  # compiled apart: not the executable JAX keeps for the same program
+        if not name.startswith("smartremat"):  # compiled apart: not an executable JAX kept from another run
             jax.clear_caches()
         t0 = time.perf_counter()
         try:
@@ -163,7 +167,8 @@ class Check:
             del model, opt_state
             return {"refused": message, "first_s": time.perf_counter() - t0}
         first = time.perf_counter() - t0
-        self.kept[name] = (float(loss), on_host(first_moment(opt_state)), on_host(model))
+        if self.keep_answers:
+            self.kept[name] = (float(loss), on_host(first_moment(opt_state)), on_host(model))
         if self.keep_steps:
             self.steps[name] = (jitted, jax.tree.structure((model, opt_state)))
         times, host = [], []
@@ -208,7 +213,7 @@ def interleaved(check: Check, rounds: int) -> dict[str, dict]:
     del leaves
     check.steps.clear()
     gc.collect()
-    fixed = [n for n in names if not n.startswith("smartremat")]
+    fixed = [n for n in names if not n.startswith("smartremat") and "@" not in n]
     out: dict[str, dict] = {n: {"interleaved_s": statistics.median(times[n])} for n in names}
     if fixed:
         fastest = min(fixed, key=lambda n: statistics.median(times[n]))
@@ -268,6 +273,8 @@ def program_hash(hlo: str) -> str:
 
 
 def plan_row(row: dict, check: Check, name: str) -> None:
+    """A smartremat run's plan figures in `row` (read off its `Plan` for the run's own model and
+    arguments, and the digest of the executable it ran), `row["planned"]` dropped."""
     planned = row.pop("planned", None)
     if planned is None or "refused" in row:
         return
@@ -309,14 +316,14 @@ def derived(result: dict, check_flops: float, peak: float | None) -> None:
     """Step time against the fastest fitting fixed strategy, MFU, first call against its compile."""
     rows = result["runs"]
     fixed = {n: r for n, r in rows.items() if not n.startswith("smartremat") and r.get("step_s")}
-    fastest = min(fixed, key=lambda n: fixed[n]["step_s"], default=None)
+    fastest = min((n for n in fixed if "@" not in n), key=lambda n: fixed[n]["step_s"], default=None)  # not a copy
     result["fastest_fitting_fixed"] = fastest
     for name, r in rows.items():
         if r.get("step_s"):
             r["mfu"] = check_flops / r["step_s"] / (peak * 1e12) if peak else None
             if fastest is not None:
                 r["vs_fastest_fixed"] = r["step_s"] / fixed[fastest]["step_s"]
-            ahead = [f["back_to_back_s"] for f in fixed.values() if f.get("back_to_back_s")]
+            ahead = [f["back_to_back_s"] for n, f in fixed.items() if f.get("back_to_back_s") and "@" not in n]
             if r.get("back_to_back_s") and ahead:
                 r["back_to_back_vs_fastest_fixed"] = r["back_to_back_s"] / min(ahead)
         if name.startswith("smartremat") and r.get("program"):
@@ -337,7 +344,7 @@ def check(size: str, layout: str, dtype: str, batch: int, budgets: list[str], na
     path = out / f"accelerator_check_{slug.strip('_')}.json"
     result = json.loads(path.read_text()) if merge and path.exists() else {"runs": {}, "commands": []}
     c = Check(size, layout, dtype, batch)
-    c.keep_steps = rounds > 0
+    c.keep_steps, c.keep_answers = rounds > 0, answers
     peak = peak or PEAK_TFLOPS.get(device.device_kind)
     result.update(device=device.device_kind, platform=device.platform, jax=jax.__version__,
                   equinox=eqx.__version__, smartremat_version=smartremat.__version__,
@@ -362,9 +369,7 @@ def check(size: str, layout: str, dtype: str, batch: int, budgets: list[str], na
         print(f"{name}: interleaved {figures['interleaved_s'] * 1e3:.1f} ms, "
               f"{figures.get('interleaved_vs_fastest_fixed', float('nan')):.4f} of {figures.get('interleaved_against')}", flush=True)
     write(path, result)
-    if answers:  # last: slow on the TPU host (docs/fit.md); the timings are written first
-        _compare_kept(c, result)
-        write(path, result)
+    _compare_kept(c, result, lambda: write(path, result))  # last: slow on the TPU host (docs/fit.md)
     return result
 
 
@@ -377,9 +382,10 @@ def _runs(c: Check, budgets: list[str], names: list[str]) -> list[tuple[str, Any
     return planned[:1] + fixed + planned[1:]
 
 
-def _compare_kept(c: Check, result: dict) -> None:
-    """Each kept run's differences from the reference, once the reference has run; the run's host
-    copies are then dropped (a 370 M-parameter run keeps 3 GB of the host's memory)."""
+def _compare_kept(c: Check, result: dict, written: Any) -> None:
+    """Each kept run's differences from the reference, once the reference has run, the file written
+    (`written()`) after each; the run's host copies are then dropped (a 370 M-parameter run keeps 3 GB
+    of the host's memory)."""
     if REFERENCE not in c.kept:
         return
     for other in [n for n in c.kept if n != REFERENCE]:
@@ -388,79 +394,18 @@ def _compare_kept(c: Check, result: dict) -> None:
         result["runs"][other].update(differences(c, other))
         print(f"{other}: {result['runs'][other].get('answer', '-')} ({time.perf_counter() - t:.1f} s)", flush=True)
         del c.kept[other]
+        written()
 
 
 def write(path: pathlib.Path, result: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
-    path.with_suffix(".md").write_text(markdown(result))
+    path.with_suffix(".md").write_text(markdown(result, REFERENCE))
 
 
 def _short(row: dict) -> str:
     keep = ("refused", "temp_mb", "compile_s", "first_s", "step_s", "back_to_back_s", "peak_bytes_in_use", "policies")
     return ", ".join(f"{k}={row[k]:.4g}" if isinstance(row[k], float) else f"{k}={row[k]}" for k in keep if k in row)
-
-
-def _f(x: Any, spec: str, scale: float = 1.0) -> str:
-    return "-" if x is None else format(x * scale, spec)
-
-
-def markdown(r: dict) -> str:
-    lines = [f"# Accelerator check: {r['model']}", "",
-             f"{r['device']} ({r['platform']}, bytes_limit {_f(r['bytes_limit'], '.0f', 1 / MB)} MB), jax {r['jax']}, "
-             f"equinox {r['equinox']}, smartremat {r['smartremat_version']}, XLA_FLAGS=`{r['xla_flags']}`, matmul precision "
-             f"{r.get('matmul_precision', 'default')}; "
-             f"median of {r['steps']} steps after the first; MFU at {r['peak_tflops']} TFLOP/s; differences from "
-             f"`{REFERENCE}` (loss, gradient, parameters after one step; per leaf over its largest value); same answer: "
-             f"within the gradient standard (`benchmarks/answers.py`, in {r.get('compute_dtype', '?')} ulps)", ""]
-    lines += [f"    python {c}" for c in r["commands"]] + ["",
-              "| run | temp MB | compile / first call s | step ms | of which host ms | / fastest fixed | back to back ms "
-              "| / fastest fixed | MFU | peak in use MB | loss diff | grad diff | param diff | same answer |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name, x in r["runs"].items():
-        if "refused" in x:
-            lines.append(f"| {name} | refused: {x['refused']} | {x['first_s']:.1f} | - | - | - | - | - | - | - | - | - | - | - |")
-            continue
-        first = x.get("compile_s", x.get("first_s"))
-        lines.append(f"| {name} | {_f(x.get('temp_mb'), '.1f')} | {_f(first, '.1f')} | {_f(x.get('step_s'), '.1f', 1e3)} "
-                     f"| {_f(x.get('host_s'), '.1f', 1e3)} | {_f(x.get('vs_fastest_fixed'), '.3f')} "
-                     f"| {_f(x.get('back_to_back_s'), '.1f', 1e3)} | {_f(x.get('back_to_back_vs_fastest_fixed'), '.3f')} "
-                     f"| {_f(x.get('mfu'), '.1%')} "
-                     f"| {_f(x.get('peak_bytes_in_use'), '.0f', 1 / MB)} | {_f(x.get('loss_diff'), '.1e')} "
-                     f"| {_f(x.get('grad_diff'), '.1e')} | {_f(x.get('param_diff'), '.1e')} | {x.get('answer', '-')} |")
-    timed = [(n, x) for n, x in r["runs"].items() if "interleaved_s" in x]
-    if timed:
-        lines += ["", "Interleaved on one training state (median of each run's rounds; its time over the fastest "
-                  "fixed strategy's in the same round, median over rounds):", "",
-                  "| run | rounds | interleaved ms | / fastest fixed (same round) |", "|---|---|---|---|"]
-        lines += [f"| {n} | {x['rounds']} | {x['interleaved_s'] * 1e3:.1f} | {_f(x.get('interleaved_vs_fastest_fixed'), '.4f')}"
-                  f" ({x.get('interleaved_against', '-')}) |" for n, x in timed]
-    for name, x in r["runs"].items():
-        if name.startswith("smartremat") and "explain" in x:
-            lines += ["", f"## {name}: budget {x['budget_mb']:.0f} MB, predicted {x['predicted_mb']:.0f} MB, compiled "
-                      f"{x['temp_mb']:.0f} MB (model error {x['predicted_mb'] / x['temp_mb'] - 1:+.1%}); first call "
-                      f"{x['first_s']:.1f} s, {_f(x.get('first_call_vs_fastest_fixed_compile'), '.1f')}x the fastest "
-                      "fixed strategy's compile" + _same(x), ""] + _compiles(x) + ["```", x["explain"], "```"]
-    return "\n".join(lines) + "\n"
-
-
-def _same(x: dict) -> str:
-    """Whether smartremat compiled the program of a fixed strategy (then their times differ by noise
-    and the wrapper's host work alone), or that of another of its runs (e.g. of a `/placed=` one)."""
-    if "same_program_as" not in x:
-        return ""
-    other = x["same_program_as"]
-    return f"; the same program as {other}" if other else "; a program no fixed strategy compiled"
-
-
-def _compiles(x: dict) -> list[str]:
-    """The first call's compiles by what they are for (`benchmarks.planning_time.compile_breakdown`)."""
-    kinds = dict(x.get("compiles_by_kind") or {})
-    every = kinds.pop("all", None)
-    if every is None:
-        return []
-    parts = "; ".join(f"{k}: {n}, {summed:.1f} s summed, {wall:.1f} s wall" for k, (n, summed, wall) in kinds.items())
-    return [f"Compiles of the first call ({every[0]}, covering {every[2]:.1f} s of its {x['first_s']:.1f} s): {parts}.", ""]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -493,6 +438,21 @@ def main(argv: list[str] | None = None) -> dict:
     if args.verbose:
         logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
         logging.getLogger("smartremat").setLevel(logging.INFO)
+    names, budgets = _checked(args)
+    command = " ".join(["benchmarks/accelerator_check.py", *(sys.argv[1:] if argv is None else argv)])
+    precision = contextlib.nullcontext() if args.precision is None else jax.default_matmul_precision(args.precision)
+    with precision:
+        result = check(args.size, args.layout, args.dtype, args.batch, budgets, names, args.steps,
+                       pathlib.Path(args.out), args.merge, args.peak_tflops, command, args.rounds,
+                       not args.no_answers)
+    print(markdown(result, REFERENCE))
+    return result
+
+
+def _checked(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """`(strategies, budgets)` of the command line, each checked before any run (a call's runs take
+    minutes): the reference where answers are compared, the budgets' form, and every strategy named
+    (fixed, `@<k>` copies and `/placed=`) placed on the model, abstract."""
     names = [n for n in args.strategies.split(",") if n]
     budgets = [b for b in args.budgets.split(",") if b]
     if names and REFERENCE not in names and not args.no_answers:
@@ -500,15 +460,17 @@ def main(argv: list[str] | None = None) -> dict:
     if not all(re.fullmatch(r"(auto|[0-9.]+)(/flat)?(/raw)?(/placed=[\w:*+]+)?(/tie=[0-9.]+)?", b) for b in budgets):
         raise SystemExit(f"--budgets {args.budgets}: auto or numbers of MB, each optionally followed by /flat "
                          "(nested=False), /raw (calibrate=False), /placed=<strategy> (the model under a fixed "
-                         "strategy) and /tie=<share> (the search's tie margin), comma-separated")
-    command = " ".join(["benchmarks/accelerator_check.py", *(sys.argv[1:] if argv is None else argv)])
-    precision = contextlib.nullcontext() if args.precision is None else jax.default_matmul_precision(args.precision)
-    with precision:
-        result = check(args.size, args.layout, args.dtype, args.batch, budgets, names, args.steps,
-                       pathlib.Path(args.out), args.merge, args.peak_tflops, command, args.rounds,
-                       not args.no_answers)
-    print(markdown(result))
-    return result
+                         "strategy) and /tie=<share> (the search's tie margin), in that order, comma-separated")
+    model = eqx.filter_eval_shape(lambda: SequenceGPT(**SIZES[args.size], key=jax.random.key(0),
+                                                     scanned=args.layout == "scanned"))
+    placed = [m.group(1) for b in budgets if (m := re.search(r"/placed=([^/]+)", b))]
+    for name in [n.split("@")[0] for n in names] + placed:
+        try:
+            strategy(model, name, _blocks)
+        except ValueError as e:
+            raise SystemExit(f"--strategies/--budgets: {e}; a fixed strategy is none, full, dots, dots_nb, "
+                             "alternate, sqrt or per-block policies (`benchmarks.strategies.mixed`)") from e
+    return names, budgets
 
 
 if __name__ == "__main__":

@@ -355,7 +355,7 @@ def real_breakdown(size: str, share: float = 0.5, with_floor: bool = True, calib
             f"{jax.devices()[0].device_kind}: {baseline} compile "
             f"{plain_s:.2f} s (no remat's temp {none_temp / MB:.1f} MB); first plan at {none_temp * share / MB:.1f} MB "
             f"{wall:.2f} s = x{wall / plain_s:.1f}, compiled {plan.compiled_peak_bytes / MB:.1f} MB "
-            f"(fits: {plan.compiled_peak_bytes <= none_temp * share}), plan {' | '.join(f'{b.path} {b.policy}' for b in plan.blocks)}, "
+            f"(fits: {plan.compiled_peak_bytes <= none_temp * share}), plan {' | '.join(f'{blk.path} {blk.policy}' for blk in plan.blocks)}, "
             f"model error {error:.3f}, Plan.compiles "
             f"{plan.compiles}; compiles cover {covered:.2f} s of the wall time, the rest {wall - covered:.2f} s; "
             f"{parts}; {floor}")

@@ -42,10 +42,11 @@ EFFORTS: dict[str, dict[str, Any]] = {
 
 
 class _Stop(Exception):
-    pass
+    """Raised by the recording stand-in once it has the first profile's programs: planning stops."""
 
 
 def abstract(c: Check, name: str) -> tuple[Any, Any]:
+    """The run's model and Adam state as `jax.ShapeDtypeStruct`s (nothing on the device)."""
     model, opt_state = eqx.filter_eval_shape(c.fresh, name)
     return model, opt_state
 
@@ -79,6 +80,7 @@ def lowered_all(jobs: list) -> tuple[list, float]:
 
 
 def compile_all(lowered: list, options: dict) -> tuple[list[int | None], float]:
+    """Each program compiled with `options`, one at a time: `(temp bytes or None where refused, seconds)`."""
     temps, t0 = [], time.perf_counter()
     for low in lowered:
         try:
@@ -91,6 +93,7 @@ def compile_all(lowered: list, options: dict) -> tuple[list[int | None], float]:
 
 
 def whole(c: Check, policy: str, options: dict) -> tuple[float, float]:
+    """`(temp MB, compile seconds)` of the whole donated step under the fixed `policy` with `options`."""
     model, opt_state = abstract(c, policy)
     params, static = eqx.partition(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     tokens = jax.ShapeDtypeStruct(c.tokens.shape, c.tokens.dtype)
@@ -126,8 +129,8 @@ def main() -> None:
     jobs = profile_jobs(c)[: args.first]
     lowered, seconds = lowered_all(jobs)
     print(f"first block profile: {len(jobs)} programs, lowered in {seconds:.1f} s", flush=True)
-    if args.warmup:
-        compile_all(lowered[:1], {})
+    if args.warmup:  # options equal to the default's but another cache key: the first program compiles again below
+        compile_all(lowered[:1], {"exec_time_optimization_effort": 0.0})
     base: list | None = None
     for name in args.efforts.split(","):
         temps, seconds = compile_all(lowered, EFFORTS[name])

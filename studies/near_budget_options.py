@@ -6,7 +6,8 @@ Issue 39's first lever is to calibrate (compile copies of a block under) only th
 near the budget uses, instead of every option of the menu. The simplest rule: plan without
 calibration (`calibrate=False`: every option's figures from the jaxpr), then calibrate no remat,
 full remat and the options that plan uses. For each model and budget of `benchmarks/fit_report.py`
-(five budgets between full and no remat, the decorator on the model, verified on its loss) this
+(its five budgets between full and no remat but no remat's own, the decorator on the model,
+verified on its loss) this
 prints the options of both plans, whether the calibrated plan's options are among the rule's, and
 the share of the menu the rule would calibrate. Where they are not, the rule would change the plan
 (its figures for the missing option would stay the jaxpr's).
@@ -21,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import benchmarks.common  # noqa: F401  (sets the CPU flag before JAX starts)
 
 import argparse
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +34,7 @@ MB = smartremat.MB
 FULL, NONE = "nothing_saveable", "none"
 
 
-def options_of(model, x, budget: float, calibrate: bool) -> tuple[set[str], set[str]]:
+def options_of(model: Any, x: Any, budget: float, calibrate: bool) -> tuple[set[str], set[str]]:
     """`(the plan's options, every option planning weighed)` at `budget` bytes."""
     smartremat.clear_caches()
     wrapped = smartremat.smartremat(budget_mb=budget / MB, calibrate=calibrate, **exact(model, x))(model)

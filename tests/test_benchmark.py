@@ -251,7 +251,7 @@ def test_the_planning_breakdown_is_judged_against_dots_nb_where_the_chip_refuses
     assert abs(read - plain) <= 0.005 * plain  # XLA prints two decimals of the unit
 
 
-def test_the_accelerator_check_compiles_a_strategy_again_under_another_name():
+def test_the_accelerator_check_compiles_a_strategy_again_under_another_name(tmp_path):
     """`<name>@<k>` is the fixed strategy `<name>` (a second compile of one program, to time two
     compiles of it against each other), and smartremat at a budget `/placed=<name>` plans the model
     under it; an unknown name stays an error."""
@@ -262,6 +262,9 @@ def test_the_accelerator_check_compiles_a_strategy_again_under_another_name():
     assert jax.tree.structure(again) == jax.tree.structure(plain) != jax.tree.structure(c.fresh("smartremat")[0])
     with pytest.raises(ValueError, match="unknown strategy 'fulll'"):
         c.fresh("fulll@2")
+    for argv in (["--strategies", "full,fulll@2"], ["--budgets", "9/placed=fulll", "--strategies", "full"]):  # before any run
+        with pytest.raises(SystemExit, match="unknown strategy 'fulll'; a fixed strategy is none, full"):
+            accelerator_check.main(["--size", "tiny", "--out", str(tmp_path), *argv])
     # "/placed=": smartremat planning the model with a fixed strategy placed by hand
     assert jax.tree.structure(c.fresh("smartremat 100000/placed=full")[0]) == jax.tree.structure(plain)
     rows = {"full": {"step_s": 1.0, "program": "a", "compile_s": 1.0},
