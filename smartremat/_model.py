@@ -99,6 +99,17 @@ def uniform(model: MemoryModel, option: Option) -> tuple[int, ...]:
                  for ci in model.owner)
 
 
+def every_option(model: MemoryModel) -> tuple[tuple[int, ...], ...]:
+    """For each option of any block's menu (nested ones too), the choice giving it to every block
+    whose menu holds it, no remat elsewhere: the last resort of a search where nothing else fits
+    (the compiler's lowest plan is not always the model's: a nested option may reach below full
+    remat, and a model left unrefined may rule it out)."""
+    names = dict.fromkeys(o.name for ci in model.owner for o in model.menus[ci])
+    return tuple(dict.fromkeys(
+        tuple(next((i for i, o in enumerate(model.menus[ci]) if o.name == name), 0) for ci in model.owner)
+        for name in names))
+
+
 def build_model(call: Callable, spec: CallSpec, module: Any, config: Config,
                 progress: Callable[[str], None] = logger.debug) -> MemoryModel:
     """Discover the block calls and profile each distinct one under every option."""

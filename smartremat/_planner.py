@@ -26,7 +26,8 @@ from ._key import PlanKey
 from ._env import CPU_NOTE, MB, cpu_barrier_missing
 from ._jax_private import carrying_config
 from ._memory import cost_of, objective_of, peak_at, peak_of
-from ._model import Config, MemoryModel, assignment_of, choices_of, described, full_remat, stage_figures, uniform, unplanned
+from ._model import (Config, MemoryModel, assignment_of, choices_of, described, every_option, full_remat, stage_figures,
+                     uniform, unplanned)
 from ._paths import path_str
 from ._plan import Plan, PlanBlock, PolicyFigures
 from ._refused import Refused, over_budget
@@ -145,7 +146,9 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
     above `_MAX_FRONTIER_STAGES` stages, where enumerating it is too slow, only the lowest-peak
     choice `lowest` and the model's choice `sol`) and the uniform plans the model does not rule
     out (`_search`); where none of them fits, the programs the model was refined on
-    (`MemoryModel.refined_on`: the device compiled one, which the refined model may rule out).
+    (`MemoryModel.refined_on`: the device compiled one, which the refined model may rule out) and
+    each option on every block that has it (`_model.every_option`: a nested option may reach below
+    full remat where the model, unrefined, rules it out).
     "Cheapest" is the fewest compiled FLOPs, or the model's FLOPs when a block is scanned (XLA's cost analysis counts a loop body once, docs/facts.md fact 7), plus on an
     accelerator the model's charge for the bytes the plan keeps (`_objective`, fact 22).
 
@@ -193,7 +196,7 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
     try:
         estimates = Estimates(peak, objective, step_flops(model))
         out = search(points, uniforms, estimates, config.budget_bytes, measure_built, rank,
-                     error, progress, confirm, fallback=model.refined_on)
+                     error, progress, confirm, fallback=(*model.refined_on, *every_option(model)))
     except _Unconfirmed:
         return _unconfirmed(model, config, target, lowest, tuple(dict.fromkeys(built)), refused)
     if config.tune:

@@ -189,19 +189,56 @@ def test_infeasible_budget_without_the_cpu_flag_names_the_flag():
 
 
 def test_a_step_whose_peak_no_plan_lowers_says_so():
-    """The loss makes the step's peak (an outer product far larger than the model's activations):
-    every plan compiles to the plain temp, and the refusal says that no plan saves anything and why."""
+    """The loss makes the step's peak (a product far larger than the model's activations, and a
+    matmul XLA does not fuse away): every plan compiles to the plain temp, and the refusal says
+    that no plan saves anything and why."""
     import equinox as eqx
 
     model = eqx.nn.Linear(8, 8, key=jax.random.key(0))
+    wide = jnp.linspace(-1, 1, 8 * 4096).reshape(8, 4096)
 
     def step(model, x):
         def loss(m):
-            y = jax.vmap(m)(x)
-            return jnp.mean(jnp.tanh(y[:, :, None, None] * x[None, None, :, :]))  # (64, 8, 64, 8) floats
+            return jnp.mean(jnp.tanh(jax.vmap(m)(x) @ wide))  # (64, 4096) floats
         return eqx.filter_grad(loss)(model)
 
     x = jnp.linspace(-1, 1, 64 * 8).reshape(64, 8)
     with pytest.raises(ValueError, match=r"no remat plan takes this step below its temp without remat "
                                          r"\(\d+\.\d+ MB\): its peak is set outside the module calls"):
         smartremat.filter_jit(step, budget_mb=1e-3)(model, x)
+
+
+def _outer_loss_step(policy=None):
+    import equinox as eqx
+
+    def step(model, x):
+        def loss(m):
+            def call(m, xi):
+                return m(xi)
+            call = call if policy is None else jax.checkpoint(call, policy=policy)
+            y = jax.vmap(call, in_axes=(None, 0))(m, x)
+            return jnp.mean(jnp.tanh(y[:, :, None, None] * x[None, None, :, :]))  # (64, 8, 64, 8) floats
+        return eqx.filter_grad(loss)(model)
+    return step
+
+
+def test_an_infeasible_budget_states_the_compilers_lowest_plan_the_model_rules_out():
+    """The model charges every plan of this step the loss's outer product, but under remat XLA
+    fuses it into the backward reduction: the stated floor is the lowest temp a plan compiles to
+    (here each uniform plan, compiled by hand), not the plain step's."""
+    import equinox as eqx
+
+    model = eqx.nn.Linear(8, 8, key=jax.random.key(0))
+    x = jnp.linspace(-1, 1, 64 * 8).reshape(64, 8)
+
+    def temp(policy):
+        compiled = eqx.filter_jit(_outer_loss_step(policy)).lower(model, x).compile()
+        return getattr(compiled, "compiled", compiled).memory_analysis().temp_size_in_bytes
+
+    policies = [jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                jax.checkpoint_policies.nothing_saveable]
+    lowest = min([temp(None)] + [temp(p) for p in policies])
+    with pytest.raises(ValueError, match=r"lowest temp memory any remat plan reaches") as e:
+        smartremat.filter_jit(_outer_loss_step(), budget_mb=1e-3)(model, x)
+    stated = float(re.search(r"on these arguments: (\d+\.\d+) MB", str(e.value)).group(1))
+    assert stated == pytest.approx(lowest / 2**20, abs=1e-3), (stated, lowest)

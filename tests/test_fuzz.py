@@ -43,6 +43,16 @@ CHIP_CASES = {
     # and a plan the model put far above them fits; a search that gave up there said "no plan fits"
     "refused lowest": Case(layout="shared", block="mlp", method="loss", step="sgd", width=16, batch=4, depth=2,
                            budget=0.5, chip="tight"),
+    # seed 20261214, case 1473, shrunk: the reference refused, the unrefined model ruled out the floor
+    # plan (nested(layers=dots), below full remat); every uniform plan was refused ("does not fit")
+    "refused nested floor": Case(layout="shared", block="linear", vmap="inner", dtype="f16", outputs="tuple",
+                                 wrapper=True, loss="xent_soft", step="value_and_grad", width=16, batch=4, depth=3,
+                                 budget=0.5, chip="tight"),
+    # seed 20261214, case 1406, shrunk: the same under "auto", where the error then stated a floor
+    # ("at least 0.17") that the chip refused
+    "refused floor, auto": Case(layout="loop", block="custom_vjp", dtype="bf16", wrapper=True, loss="mse",
+                                step="value_and_grad", accum="fori", width=64, batch=4, depth=2, budget=0.25,
+                                chip="auto"),
 }
 
 
