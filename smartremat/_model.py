@@ -119,7 +119,8 @@ def build_model(call: Callable, spec: CallSpec, module: Any, config: Config,
     profiles = []
     for k, (c, menu) in enumerate(zip(calls, menus)):
         progress(f"profiling block call {k + 1} of {len(calls)}: {path_str(c.path)} ({c.type_name})")
-        profiles.append(profile_block(c.spec, call if c.path == () else call_module, menu, config.calibrate, c.ends))
+        profiles.append(profile_block(c.spec, call if c.path == () else call_module, menu, config.calibrate, c.ends,
+                                      scanned=c.scan is not None))
     profiles = tuple(profiles)
     menus = _available(calls, profiles, menus)
     groups = {p: i for i, p in enumerate(dict.fromkeys(c.path for c in calls))}

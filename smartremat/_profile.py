@@ -205,14 +205,17 @@ def n_module_leaves(spec: CallSpec) -> int:
 _CACHE: KeyedCache[BlockProfile] = KeyedCache()
 
 
-def profile_block(spec: CallSpec, call: Callable, menu: tuple, calibrate: bool, ends: bool = False) -> BlockProfile:
+def profile_block(spec: CallSpec, call: Callable, menu: tuple, calibrate: bool, ends: bool = False,
+                  scanned: bool = False) -> BlockProfile:
     """Profile `call(module, *args)` under every policy of `menu`, once per key: signature,
-    code, policy menu, calibration, whether the loss is taken on its outputs (`ends`), backend
-    and XLA flags."""
-    key = (spec.key(), call, tuple(menu), calibrate, *environment_key())
+    code, policy menu, calibration, whether the loss is taken on its outputs (`ends`), whether
+    it is the body of a scan (`scanned`: no chains calibrated, see `calibration`), backend and
+    XLA flags."""
+    key = (spec.key(), call, tuple(menu), calibrate, scanned, *environment_key())
     if ends and calibrate:
-        return _CACHE.get((*key, "ends"), lambda: _at_the_end(profile_block(spec, call, menu, calibrate), spec, call))
-    return _CACHE.get(key, lambda: _profile_uncached(spec, call, menu, calibrate))
+        return _CACHE.get((*key, "ends"), lambda: _at_the_end(profile_block(spec, call, menu, calibrate, scanned=scanned),
+                                                              spec, call))
+    return _CACHE.get(key, lambda: _profile_uncached(spec, call, menu, calibrate, scanned))
 
 
 def _at_the_end(profile: BlockProfile, spec: CallSpec, call: Callable) -> BlockProfile:
@@ -232,7 +235,7 @@ def _at_the_end(profile: BlockProfile, spec: CallSpec, call: Callable) -> BlockP
     return dataclasses.replace(profile, options=options)
 
 
-def _profile_uncached(spec: CallSpec, call: Callable, menu: tuple, calibrate: bool) -> BlockProfile:
+def _profile_uncached(spec: CallSpec, call: Callable, menu: tuple, calibrate: bool, scanned: bool) -> BlockProfile:
     f_none = spec.function(call)
     forward = function_cost(f_none, *spec.dynamic)
     try:
@@ -243,7 +246,7 @@ def _profile_uncached(spec: CallSpec, call: Callable, menu: tuple, calibrate: bo
         return BlockProfile(forward, (PolicyProfile(NO_REMAT, 0, 0, 0, Cost(0, 0)),), (why,))
     raw, skipped = _measure(spec, call, menu, base)
     # where the device refuses a calibrating compile, that option's jaxpr counts stand
-    peaks, calibrated = calibration(raw, spec, n_module_leaves(spec), calibrate)
+    peaks, calibrated = calibration(raw, spec, n_module_leaves(spec), calibrate, scanned)
     options = []
     for j, m in enumerate(raw):
         counted = m.internal + m.args
@@ -289,8 +292,8 @@ def _reason(e: Exception) -> str:
     return f"{type(e).__name__}: {text[0][:160] if text else ''}"
 
 
-def calibration(raw: list[_Measured], spec: CallSpec, n_module: int,
-                 calibrate: bool) -> tuple[Sequence[int | None] | None, Sequence[int | None] | None]:
+def calibration(raw: list[_Measured], spec: CallSpec, n_module: int, calibrate: bool,
+                scanned: bool = False) -> tuple[Sequence[int | None] | None, Sequence[int | None] | None]:
     """`(peaks, saved)` from the compiler, or `(None, None)` when not calibrating: `peaks[j]`, the
     temp bytes of the block's gradient alone under option `j`; `saved[j]` (None where the output
     cannot feed the first argument), from copies of the block in a row, each with its own
@@ -301,11 +304,15 @@ def calibration(raw: list[_Measured], spec: CallSpec, n_module: int,
     Where the copy under `j` hides below its own peak in `(j, none)`, that overstates (a 24-layer
     transformer at d=768 keeps 12 MB a block under full remat, the difference said 47.77:
     docs/facts.md, fact 14), and `_between` measures it between copies without remat.
+
+    The body of a scan (`scanned`) gets its peaks only: its iterations keep what the jaxpr counts
+    (`_model.stage_figures`), so no chain is compiled for it (a third of the compiles: on XLA:TPU
+    the 24 calibrating compiles of a 24-layer scan's body took 97 s of wall time, the whole step 11 s).
     """
     if not calibrate:
         return None, None
     jobs = [(grad_step(m.f, spec.dynamic), spec.dynamic) for m in raw]
-    chain_at = chainable(raw[0].f, spec, n_module)
+    chain_at = None if scanned else chainable(raw[0].f, spec, n_module)
     if chain_at is not None:
         jobs += [chain_job([m.f] * k + [raw[0].f], spec, n_module, chain_at) for m in raw for k in (1, 2)]
     temps = compiled_temps(jobs)
