@@ -45,6 +45,23 @@ def test_scanned_block_is_one_call_counted_per_iteration(monkeypatch):
     assert plan.forward_flops == pytest.approx(unrolled.forward_flops, rel=0.01)
 
 
+def test_a_scan_body_is_calibrated_on_its_peaks_only(monkeypatch):
+    """A scanned stage keeps what the jaxpr counts, so its body compiles one program per option
+    (its peak), where the same block unrolled also compiles its copies in a row."""
+    compiled = []
+    real = _profile.compiled_temps
+    monkeypatch.setattr(_profile, "compiled_temps", lambda jobs: compiled.append(len(jobs)) or real(jobs))
+    x = jnp.ones((B, T, D))
+    smartremat.clear_caches()
+    scanned = plan_of(ScannedTransformer(2, D, HEADS, jax.random.key(0)), x, 1e6, calibrate=True)
+    options = len(scanned.blocks[0].options)
+    assert compiled == [options]
+    compiled.clear()
+    smartremat.clear_caches()
+    plan_of(Transformer(2, D, HEADS, jax.random.key(0)), x, 1e6, calibrate=True)
+    assert sum(compiled) > options
+
+
 def test_scanned_transformer_plans_match_unrolled_within_5_percent():
     """The issue's bar: at the same budget, predicted peak and recompute within 5% of the
     same model written as an unrolled loop (both planned by the model alone, without nested
