@@ -87,8 +87,10 @@ def _available(calls: tuple[BlockCall, ...], profiles: tuple, menus: tuple) -> t
 
 def uniform(model: MemoryModel, option: Option) -> tuple[int, ...]:
     """The choice giving every block `option` (no remat where it failed for a block), or the
-    option it was merged into for a block (the same residuals, so the same program) where all the
-    block's calls merged it alike, so that uniform plans that are one program are one choice."""
+    option it was merged into for a block (the same residuals, so as a rule the same program)
+    where all the block's calls merged it alike, so that uniform plans of the same residuals are
+    one choice. (Not always one program: a checkpoint that keeps what no remat keeps can still
+    compile smaller, `every_option`.)"""
     same: dict[Path, Option] = {}
     for ci in model.owner:
         found = find_option(model.profiles[ci], option)
@@ -101,9 +103,12 @@ def uniform(model: MemoryModel, option: Option) -> tuple[int, ...]:
 
 def every_option(model: MemoryModel) -> tuple[tuple[int, ...], ...]:
     """For each option of any block's menu (nested ones too), the choice giving it to every block
-    whose menu holds it, no remat elsewhere: the last resort of a search where nothing else fits
-    (the compiler's lowest plan is not always the model's: a nested option may reach below full
-    remat, and a model left unrefined may rule it out)."""
+    whose menu holds it, no remat elsewhere: the last resort of a search where nothing else fits.
+    The compiler's lowest plan is not always the model's: a nested option may reach below full
+    remat where an unrefined model rules it out, and an option merged into another for keeping the
+    same residuals (`uniform`) is its own choice here, as its checkpoint may still compile smaller
+    (an `eqx.nn.Linear` whose loss is an outer product: 0.004 MB under `dots_saveable`, 1.002 MB
+    without remat, XLA fusing the product into the backward's reduction)."""
     names = dict.fromkeys(o.name for ci in model.owner for o in model.menus[ci])
     return tuple(dict.fromkeys(
         tuple(next((i for i, o in enumerate(model.menus[ci]) if o.name == name), 0) for ci in model.owner)
@@ -162,6 +167,8 @@ def stage_figures(opts: list, scanned: bool) -> tuple[tuple[int, ...], tuple[int
         return (tuple(o.saved_bytes for o in opts), tuple(o.peak_bytes for o in opts),
                 tuple(o.recompute.flops for o in opts))
     saved = tuple(o.residual_bytes for o in opts)
+    # a scan body's profile has no chains (`_profile.calibration(scanned=True)`): its saved bytes are the
+    # jaxpr's count, and its working set the compiled peak less that count
     peak = tuple(o.residual_bytes + max(o.peak_bytes - max(o.saved_bytes, 0), 0) for o in opts)
     return saved, peak, tuple(o.recompute.flops for o in opts)
 

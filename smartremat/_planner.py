@@ -146,9 +146,9 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
     above `_MAX_FRONTIER_STAGES` stages, where enumerating it is too slow, only the lowest-peak
     choice `lowest` and the model's choice `sol`) and the uniform plans the model does not rule
     out (`_search`); where none of them fits, the programs the model was refined on
-    (`MemoryModel.refined_on`: the device compiled one, which the refined model may rule out) and
-    each option on every block that has it (`_model.every_option`: a nested option may reach below
-    full remat where the model, unrefined, rules it out).
+    (`MemoryModel.refined_on`: the device compiled one, which the refined model may rule out), and
+    where none of those fits, each option on every block that has it (`_model.every_option`: the
+    model may rule out a plan the compiler takes lower).
     "Cheapest" is the fewest compiled FLOPs, or the model's FLOPs when a block is scanned (XLA's cost analysis counts a loop body once, docs/facts.md fact 7), plus on an
     accelerator the model's charge for the bytes the plan keeps (`_objective`, fact 22).
 
@@ -196,7 +196,7 @@ def verified(model: MemoryModel, config: Config, target: Target, sol: Solution, 
     try:
         estimates = Estimates(peak, objective, step_flops(model))
         out = search(points, uniforms, estimates, config.budget_bytes, measure_built, rank,
-                     error, progress, confirm, fallback=(*model.refined_on, *every_option(model)))
+                     error, progress, confirm, fallback=(model.refined_on, every_option(model)))
     except _Unconfirmed:
         return _unconfirmed(model, config, target, lowest, tuple(dict.fromkeys(built)), refused)
     if config.tune:

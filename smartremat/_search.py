@@ -190,7 +190,8 @@ class Estimates:
 def search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimates, budget: int,
            measure: Callable[[Choice], tuple[int, float]], rank: Callable[[Choice, float], float],
            error: Callable[[float], Exception], progress: Callable[[str], None],
-           confirm: Callable[[Choice], tuple[int, float]] | None = None, fallback: Sequence[Choice] = ()) -> Outcome:
+           confirm: Callable[[Choice], tuple[int, float]] | None = None,
+           fallback: Sequence[Sequence[Choice]] = ()) -> Outcome:
     """The cheapest candidate whose compiled temp bytes fit `budget` (within `TIE_MARGIN`, the one
     of fewest temp bytes).
 
@@ -204,8 +205,10 @@ def search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimate
     - `error`: the exception to raise, given the lowest compiled temp (`inf` where every
       candidate was refused or not built), when nothing fits.
     - `confirm`: a choice's compiled figures under every loss (the largest temp), if several.
-    - `fallback`: choices compiled only where no other candidate fits (the programs the model was
-      refined on: the device compiled them, though the model may rule them out).
+    - `fallback`: tiers of choices compiled only where no other candidate fits, a tier only where
+      none of the earlier ones fits (the programs the model was refined on, which the device
+      compiled though the model may rule them out; then choices the model rules out that the
+      compiler may not).
     """
     compiled = CandidateFigures(measure, progress, confirm, raising=True)
     while True:  # a candidate found unbuildable leaves the frontier, and the search goes on without it
@@ -223,7 +226,7 @@ class _Unbuilt(Exception):
 
 def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimates, budget: int,
             compiled: CandidateFigures, rank: Callable[[Choice, float], float], error: Callable[[float], Exception],
-            fallback: Sequence[Choice]) -> Outcome:
+            fallback: Sequence[Sequence[Choice]]) -> Outcome:
     predicted = [model.peak(p) for p in points]
 
     def spare(point: Choice, *more: Choice) -> tuple[Choice, ...]:
@@ -274,11 +277,12 @@ def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimat
         if best is not None:
             compiled(*_could_win(uniforms, model, compiled, points, predicted, budget, best, rank))
             best = _chosen(compiled, budget, rank, uniforms)
-        if best is None:
-            everything = (*uniforms, *points, *fallback)
-            if all(c in compiled.figures for c in everything):
+        if best is None:  # the model's lowest plan is not the compiler's: try them all, tier by tier
+            tiers = ((*uniforms, *points), *fallback)
+            pending = next((t for t in tiers if not all(c in compiled.figures for c in t)), None)
+            if pending is None:
                 raise error(compiled.floor())
-            compiled(*everything)  # the model's lowest plan is not the compiler's: try them all
+            compiled(*pending)
             continue
         if compiled.exact(best) <= budget:
             built = [c for c, (t, _) in compiled.figures.items() if t < UNBUILT[0]]  # `measured` pairs with `checked`

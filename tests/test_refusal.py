@@ -78,7 +78,8 @@ def test_filter_jit_plans_where_no_remat_is_refused(pressured, budget):
         mb = "auto" if budget == "auto" else 0.5 * plain_temp / MB  # below what the chip leaves
         planned = smartremat.filter_jit(step, budget_mb=mb, donate="all")
         plan = planned.plan(*args)
-        assert any("HLO temporaries" in r for r in chip.refused)  # the step without remat was refused
+        # the step without remat was refused, or the model put it above the chip (not compiled)
+        assert any("HLO temporaries" in r for r in chip.refused) or any(BEYOND in n for n in plan.notes), plan.notes
         m = _memory(planned, args)  # the step that runs compiles on the chip...
         got = planned(*_fresh(args))
     assert m.temp_size_in_bytes <= plan.budget_bytes and _total(m) <= hbm  # ...and fits it
@@ -96,9 +97,9 @@ def test_the_rest_of_the_step_is_measured_on_a_whole_scan(name):
     errs"). The chip here holds that split program, and refuses only the step without remat."""
     args = _args(MODELS[name])
     m = _memory(eqx.filter_jit(step, donate="all"), args)
-    with simulated_chip(int(_total(m) - 0.1 * m.temp_size_in_bytes)) as chip:
+    with simulated_chip(int(_total(m) - 0.1 * m.temp_size_in_bytes)):
         plan = smartremat.filter_jit(step, budget_mb=m.temp_size_in_bytes / MB, donate="all").plan(*args)
-    assert not chip.refused or any("HLO temporaries" in r for r in chip.refused)  # or modelled above: not compiled
+    # the note says the step without remat was refused by the chip (REFUSED) or modelled above it (BEYOND)
     reference = "the model's lowest plan" + ("" if name == "scanned" else ", its last block without remat")
     assert {REFERENCE_NOTE.format(why=why, plan=reference) for why in (REFUSED, BEYOND)} & set(plan.notes), plan.notes
 

@@ -359,3 +359,32 @@ def test_the_first_compile_judges_its_spare_against_the_step_not_the_recompute(s
                  105, lambda c: (temps[c[0]], flops[c]) if c != (100,) else (90, 15.0), lambda c, f: f,
                  lambda floor: ValueError(floor), batches.append)
     assert int(batches[0].split()[1]) == first and out.choice == (9,)  # (9,): 100 bytes, 7 FLOPs
+
+
+def test_fallback_tiers_are_compiled_in_order_and_only_while_nothing_fits():
+    """Where no frontier point or uniform plan fits, the first fallback tier is compiled; the
+    second only where none of the first fits, and the floor the error states is the lowest
+    compiled over every tier."""
+    temps = {(0,): 50, (1,): 40, (100,): 45, (200,): 30, (300,): 20, (301,): 10}
+
+    def run(budget):
+        asked = []
+
+        def measure(choice):
+            asked.append(choice)
+            return temps[choice], 1.0
+
+        try:
+            out = search([(0,), (1,)], [(100,)], Estimates(lambda c: 1, lambda c: 1.0), budget, measure,
+                         lambda c, f: f, lambda floor: ValueError(f"floor {floor}"), lambda _: None,
+                         fallback=([(200,)], [(300,), (301,)]))
+        except ValueError as e:
+            return str(e), asked
+        return out.choice, asked
+
+    choice, asked = run(35)  # the first tier fits: the second is not compiled
+    assert choice == (200,) and sorted(asked[:-1]) == [(0,), (1,), (100,)] and asked[-1] == (200,)
+    choice, asked = run(15)
+    assert choice == (301,) and asked[-3:] == [(200,), (300,), (301,)]
+    error, asked = run(5)
+    assert error == "floor 10" and sorted(asked) == sorted(temps) and len(asked) == len(temps)

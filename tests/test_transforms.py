@@ -91,7 +91,7 @@ def test_vmap_axis_name_reaches_profiling_and_explain(monkeypatch):
 def test_second_call_neither_reprofiles_nor_retraces(model, monkeypatch):
     profiled, traced = [], []
     real = _model.profile_block
-    monkeypatch.setattr(_model, "profile_block", lambda *a: profiled.append(1) or real(*a))
+    monkeypatch.setattr(_model, "profile_block", lambda *a, **k: profiled.append(1) or real(*a, **k))
 
     @sr(budget_mb=0.45)
     class Counted(TutorialStack):
