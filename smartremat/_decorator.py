@@ -197,8 +197,9 @@ def smartremat(budget_mb: float, *, policies: Sequence[Callable[..., bool] | Non
     - `blocks`: a function from the module to the sub-module(s) to plan over (as in
       `eqx.tree_at`). Defaults to the sub-modules its forward calls, found automatically.
     - `calibrate`: ask the compiler for each distinct block's own peak and for what it keeps in
-      a stack of its copies (up to three small compiles per block and policy, no device memory).
-      Without it the model uses jaxpr counts only.
+      a stack of its copies (up to three small compiles per block and policy, no device memory;
+      one for a scan's body, and under `smartremat.filter_jit` none where the rest of the step
+      outweighs its working set). Without it the model uses jaxpr counts only.
     - `verify`: compile the real step for candidate plans (a few of the model's frontier and the
       uniform plans) and keep the cheapest whose compiled temp bytes fit: the compiler, not the
       model, guarantees the fit. Plans are cached on disk (docs/how-it-works.md:

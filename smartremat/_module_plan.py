@@ -43,8 +43,8 @@ class ModuleTarget:
     def key(self) -> PlanKey:
         return module_key(self.call, self.spec)
 
-    def model(self, config: Config, progress: Callable[[str], None]) -> MemoryModel:
-        return build_model(self.call, self.spec, self.module, config, progress)
+    def model(self, config: Config, progress: Callable[[str], None], scans: bool = True) -> MemoryModel:
+        return build_model(self.call, self.spec, self.module, config, progress, scans)
 
     def refined(self, model: MemoryModel, config: Config) -> tuple[MemoryModel, Config]:
         """The head after the stack's last block (`_head.in_place`), with calibration; `model` as it
@@ -78,6 +78,8 @@ class ModuleTarget:
 
     #: Its programs (the module's gradient under its losses) stand in for the step that calls it.
     stands_in = True
+    #: `_head.in_place` leaves a scanned model as it is: its scans' bodies are calibrated at once.
+    refines_scans = False
 
 
 def get_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Plan:

@@ -27,7 +27,7 @@ from ._env import CPU_NOTE, MB, cpu_barrier_missing
 from ._jax_private import carrying_config
 from ._memory import cost_of, objective_of, peak_at, peak_of
 from ._model import (Config, MemoryModel, assignment_of, choices_of, described, every_option, full_remat, stage_figures,
-                     uniform, unplanned)
+                     uniform, unplanned, working_sets_matter)
 from ._paths import path_str
 from ._plan import Plan, PlanBlock, PolicyFigures
 from ._refused import Refused, over_budget
@@ -51,7 +51,7 @@ class Target(Protocol):
     @property
     def name(self) -> str: ...  # what progress and the log call it
     def key(self) -> PlanKey: ...
-    def model(self, config: Config, progress: Callable[[str], None]) -> MemoryModel: ...
+    def model(self, config: Config, progress: Callable[[str], None], scans: bool = True) -> MemoryModel: ...
     def refined(self, model: MemoryModel, config: Config) -> tuple[MemoryModel, Config]: ...
     def runs(self, model: MemoryModel, choice: tuple[int, ...]) -> Runs: ...
     def measure(self, runs: Runs, config: Config, every_loss: bool) -> tuple[int, float]: ...
@@ -61,6 +61,8 @@ class Target(Protocol):
     def notes(self, model: MemoryModel) -> tuple[str, ...]: ...
     @property
     def stands_in(self) -> bool: ...  # its programs stand in for a step the user compiles (the decorator's)
+    @property
+    def refines_scans(self) -> bool: ...  # `refined` may raise a scan's last iteration (the step's)
 
 
 class Planned(NamedTuple):
@@ -102,7 +104,7 @@ def make_plan(target: Target, config: Config) -> Planned:
     """discover, profile, model, refine, solve, verify, assemble: the plan for `target`."""
     t0 = time.perf_counter()
     progress = progress_log(target.name, t0)
-    model, config = target.refined(target.model(config, progress), config)
+    model, config = refined_model(target, config, progress)
     lowest = min_peak(model.stages)
     sol = solve(model.stages, config.budget_bytes - model.fixed_bytes)
     outcome = None
@@ -115,6 +117,19 @@ def make_plan(target: Target, config: Config) -> Planned:
         warnings.warn("smartremat: " + CPU_NOTE + ".", stacklevel=2)
     _log(target.name, plan)
     return Planned(plan, target.runs(model, sol.choice))
+
+
+def refined_model(target: Target, config: Config, progress: Callable[[str], None]) -> tuple[MemoryModel, Config]:
+    """model -> refine: the target's model, refined (`Target.refined`). A scan's body is first
+    modelled from its jaxpr where the target's refinement may raise it, and calibrated by the
+    compiler (then the model refined again: its programs are cached) only where its working set
+    could set a predicted peak (`_model.working_sets_matter`)."""
+    raw = target.model(config, progress, scans=not target.refines_scans)
+    model, refined = target.refined(raw, config)
+    if config.calibrate and target.refines_scans and working_sets_matter(raw, model):
+        progress("calibrating the scanned blocks' bodies")
+        model, refined = target.refined(target.model(config, progress, scans=True), config)
+    return model, refined
 
 
 _QUIET_SECONDS = 2.0

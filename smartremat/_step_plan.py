@@ -60,8 +60,8 @@ class StepTarget:
         extra = (self.options, self.memory, AUTO_RESERVE)
         return step_key(self.name, self.sig, self.jaxpr, Identity(self.fun), extra)
 
-    def model(self, config: Config, progress: Callable[[str], None]) -> MemoryModel:
-        return joined([build_model(c.call, c.spec, c.spec.rebuild(c.spec.dynamic)[0], config, progress)
+    def model(self, config: Config, progress: Callable[[str], None], scans: bool = True) -> MemoryModel:
+        return joined([build_model(c.call, c.spec, c.spec.rebuild(c.spec.dynamic)[0], config, progress, scans)
                        for c in self.calls], self.labels)
 
     def refined(self, model: MemoryModel, config: Config) -> tuple[MemoryModel, Config]:
@@ -187,6 +187,8 @@ class StepTarget:
 
     #: Its programs are the user's step: a refusal of them all is final.
     stands_in = False
+    #: The rest of the step raises its last block, a scan's last iteration too (`tail`).
+    refines_scans = True
 
     def _sharded(self) -> bool:
         return any(len(getattr(a.sharding, "device_set", ())) > 1 for a in self.sig.avals)

@@ -107,6 +107,24 @@ def run(host: Any, static: Any, tokens: jax.Array, first: str, k: int, rest: str
     return row
 
 
+def host_state(size: str, dtype: str, batch: int) -> tuple[Any, Any, jax.Array]:
+    """The check's scanned model of `size` in `dtype`: its arrays on the host, its static part, and
+    a batch of `batch` token sequences."""
+    shape = SHAPES[size]
+    model = SequenceGPT(**shape, key=jax.random.key(0), scanned=True, dtype=jnp.dtype(dtype))
+    params, static = eqx.partition(model, eqx.is_array)
+    tokens = jax.random.randint(jax.random.key(1), (batch, shape["seq"] + 1), 0, shape["vocab"])
+    return jax.tree.map(np.asarray, params), static, tokens
+
+
+def record(result: dict, path: pathlib.Path, row: dict) -> None:
+    """Add `row` to `result`, print it, and write the whole of `result` to `path`."""
+    result["runs"].append(row)
+    print(json.dumps(row), flush=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -127,12 +145,7 @@ def main() -> None:
              "float32": [("full", 0, "full", 0), ("dots_nb", 0, "dots_nb", 0), ("dots_nb", 0, "dots_nb", 3),
                          ("full", 0, "full", 6)]}
     for dtype in args.dtypes.split(","):
-        shape = SHAPES[args.size]
-        model = SequenceGPT(**shape, key=jax.random.key(0), scanned=True, dtype=jnp.dtype(dtype))
-        params, static = eqx.partition(model, eqx.is_array)
-        host = jax.tree.map(np.asarray, params)
-        del model, params
-        tokens = jax.random.randint(jax.random.key(1), (args.batch, shape["seq"] + 1), 0, shape["vocab"])
+        host, static, tokens = host_state(args.size, dtype, args.batch)
         for first, k, rest, ballast in plans[dtype]:
             name = f"{dtype} {first}[:{k}] {rest} ballast {ballast} GB"
             try:
@@ -142,10 +155,7 @@ def main() -> None:
                     raise
                 row = {"refused": str(e).strip().splitlines()[0]}
             row.update(name=name, dtype=dtype, first=first, k=k, rest=rest, ballast_gb=ballast)
-            result["runs"].append(row)
-            print(json.dumps(row), flush=True)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(result, indent=1) + "\n")
+            record(result, path, row)
 
 
 if __name__ == "__main__":

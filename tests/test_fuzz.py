@@ -22,6 +22,7 @@ from hypothesis import given, settings
 
 from tests.fuzz.check import (Failed, _check_chip, _check_decorator, _compare, _mismatches, _reference, check_case,
                                float64, promotion)
+from tests.fuzz import check
 from tests.fuzz.grammar import CHOICES, LATE, LR, Case, build, case_at, cases, covering, normalise, working
 from tests.helpers import MISMATCH_RTOL
 
@@ -122,10 +123,15 @@ CASE_2026_212 = Case(seed=41255, layout="rnn", block="mlp", vmap="outer", norm="
 def test_case_2026_212_now_agrees_in_float32():
     """Its float32 difference (`nu.layers.bias`, 1 of 24 entries, judged rounding by rule 6) came from
     candidates lowered in worker threads without the case's dtype-promotion context
-    (`tests/test_jax_config.py`): lowered under it, the planned step agrees with the plain one."""
+    (`tests/test_jax_config.py`): lowered under it, the planned step agrees with the plain one, up to
+    rounding in the biases before the BatchNorm, the leaves rule 6 is for. Whether any rounding
+    shows depends on the CPU: none on the machines of earlier sessions, one entry of `nu.layers.bias`
+    by 3.9e-6 of its value on an AMD EPYC without AVX-512 (2026-12-07; the same on the commit before
+    this test last changed, and none under a budget that plans no remat)."""
     outcome = check_case(CASE_2026_212)
     assert outcome.ok, f"{CASE_2026_212}\n{outcome.report()}"
-    assert "rule 6" not in outcome.figures, outcome.figures["rule 6"]
+    judged = outcome.figures.get("rule 6", ([], None))[0]
+    assert all(".layers.bias:" in d for d in judged), judged
 
 
 CASE_20261208_36 = Case(seed=0, layout="loop", block="linear", vmap="outer", norm="batchnorm", dropout=False,
@@ -134,11 +140,14 @@ CASE_20261208_36 = Case(seed=0, layout="loop", block="linear", vmap="outer", nor
                        path="decorator", width=8, batch=16, depth=3, budget=0.25)
 
 
-def test_case_20261208_36_rule_6_runs_the_decorators_plans_in_float64():
+def test_case_20261208_36_rule_6_runs_the_decorators_plans_in_float64(monkeypatch):
     """A float32 difference under the decorator (`w2.bias` right before a BatchNorm, 1 of 8
     entries, 1.5e-6 of its scale) is judged by rule 6: the wrapper's plans are recorded on the
     float32 call, not traced under the float64 run (where the BatchNorm's float32 state refused
-    its float64 update, so no float64 answer was made and the case failed)."""
+    its float64 update, so no float64 answer was made and the case failed). Whether that float32
+    difference shows depends on the CPU (none on an AMD EPYC without AVX-512, 2026-12-07), so every
+    difference is sent to rule 6 here: the float64 run is made on any CPU."""
+    monkeypatch.setattr(check, "MISMATCH_RTOL", 0.0)
     outcome = check_case(CASE_20261208_36)
     assert outcome.ok, f"{CASE_20261208_36}\n{outcome.report()}"
     assert "rule 6" in outcome.figures  # the float32 difference was there, and judged rounding

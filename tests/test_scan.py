@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import smartremat
-from smartremat import _module_plan, _profile
+from smartremat import _module_plan, _planner, _profile
+from smartremat._memory import peak_of
 from smartremat._decorator import make_config
 from smartremat._discover import discover
 from smartremat._spec import make_spec
@@ -353,3 +354,36 @@ def test_blocks_naming_only_blocks_in_loops_is_refused_with_the_reason():
                                          r"leaves as they run: the block layer \(Linear\) is called inside a "
                                          r"`jax.lax.while_loop`.*pass `blocks=None`"):
         smartremat.explain(wrapped, x[0])
+
+
+def _head_step(model, head, x):
+    """A step whose rest after the scan is a head of `head.shape[1]` logits under a real loss."""
+    return eqx.filter_grad(lambda m: jnp.mean(jnp.tanh(m(x) @ head) ** 2))(model)
+
+
+@pytest.mark.parametrize("vocab, calibrated", [(4096, False), (64, True)])
+def test_a_scan_body_is_calibrated_only_where_its_working_set_could_set_a_peak(monkeypatch, vocab, calibrated):
+    """The whole step raises the scan's last iteration by its rest (`_step_plan.tail`). Where that
+    rest outweighs any iteration's working set as the jaxpr counts it (a head of 4096 logits), the
+    body is not compiled, and every uniform plan and the chosen one are predicted as with it
+    calibrated; where it does not (64 logits), the body is calibrated."""
+    model, x = ScannedTransformer(3, 64, 4, jax.random.key(0)), jax.random.normal(jax.random.key(1), (4, 64, 64))
+    head = jax.random.normal(jax.random.key(2), (64, vocab)) / 8
+    lowered = eqx.filter_jit(_head_step).lower(model, head, x)
+    budget = 0.7 * lowered.lowered.compile().memory_analysis().temp_size_in_bytes / smartremat.MB
+    compiled = []
+    real = _profile.compiled_temps
+    monkeypatch.setattr(_profile, "compiled_temps", lambda jobs: compiled.append(len(jobs)) or real(jobs))
+    smartremat.clear_caches()
+    plan = smartremat.filter_jit(_head_step, budget_mb=budget).plan(model, head, x)
+    assert bool(compiled) == calibrated
+    if calibrated:
+        return
+    monkeypatch.setattr(_planner, "working_sets_matter", lambda raw, refined: True)
+    smartremat.clear_caches()
+    forced = smartremat.filter_jit(_head_step, budget_mb=budget).plan(model, head, x)
+    assert compiled  # the body calibrated this time
+    assert forced.assignment == plan.assignment and forced.predicted_peak_bytes == plan.predicted_peak_bytes
+    options = len(plan.stages[0].peak)
+    for c in [(o,) * len(plan.stages) for o in range(options)]:
+        assert peak_of(plan.stages, c) == peak_of(forced.stages, c)
