@@ -11,7 +11,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ._cache import KeyedCache
 from ._discover import BlockCall, call_module, discover, expanded
+from ._env import environment_key
 from ._memory import Stage, raised
 from ._nested import nested_options
 from ._objective import device_charge
@@ -115,13 +117,29 @@ def every_option(model: MemoryModel) -> tuple[tuple[int, ...], ...]:
         for name in names))
 
 
+_CALLS: KeyedCache[tuple[BlockCall, ...]] = KeyedCache()
+
+
+def block_calls(module: Any, call: Callable, spec: CallSpec, blocks: Callable | None) -> tuple[BlockCall, ...]:
+    """The block calls `call(module, ...)` makes (`_discover`: its stacks expanded unless `blocks`
+    names them), found once per key: the call, the module's signature (its structure and static
+    fields, as `_profile.profile_block` keys a block), `blocks`, backend and XLA flags. Planning
+    builds a model twice where a scan's body is calibrated after all (`_planner.refined_model`)."""
+    key = (call, spec.key(), blocks, *environment_key())
+
+    def found() -> tuple[BlockCall, ...]:
+        calls = discover(module, call, spec, blocks)
+        return tuple(expanded(module, call, spec, calls) if blocks is None else calls)
+
+    return _CALLS.get(key, found)
+
+
 def build_model(call: Callable, spec: CallSpec, module: Any, config: Config,
                 progress: Callable[[str], None] = logger.debug, scans: bool = True) -> MemoryModel:
     """Discover the block calls and profile each distinct one under every option; with
     `config.calibrate`, each calibrated by the compiler, a scan's body only with `scans` (else its
     jaxpr's figures: see `working_sets_matter`)."""
-    found = discover(module, call, spec, config.blocks)
-    calls = tuple(expanded(module, call, spec, found) if config.blocks is None else found)
+    calls = block_calls(module, call, spec, config.blocks)
     menus = _menus(calls, config)
     profiles = []
     for k, (c, menu) in enumerate(zip(calls, menus)):

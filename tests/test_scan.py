@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import smartremat
-from smartremat import _module_plan, _planner, _profile
+from smartremat import _model, _module_plan, _planner, _profile
 from smartremat._memory import peak_of
 from smartremat._decorator import make_config
 from smartremat._discover import discover
@@ -371,12 +371,14 @@ def test_a_scan_body_is_calibrated_only_where_its_working_set_could_set_a_peak(m
     head = jax.random.normal(jax.random.key(2), (64, vocab)) / 8
     lowered = eqx.filter_jit(_head_step).lower(model, head, x)
     budget = 0.7 * lowered.lowered.compile().memory_analysis().temp_size_in_bytes / smartremat.MB
-    compiled = []
-    real = _profile.compiled_temps
+    compiled, traced = [], []
+    real, discovered = _profile.compiled_temps, _model.discover
     monkeypatch.setattr(_profile, "compiled_temps", lambda jobs: compiled.append(len(jobs)) or real(jobs))
+    monkeypatch.setattr(_model, "discover", lambda *a: traced.append(1) or discovered(*a))
     smartremat.clear_caches()
     plan = smartremat.filter_jit(_head_step, budget_mb=budget).plan(model, head, x)
     assert bool(compiled) == calibrated
+    assert len(traced) == 1  # the model built again for the body's calibration is not traced again
     if calibrated:
         return
     monkeypatch.setattr(_planner, "working_sets_matter", lambda raw, refined: True)
