@@ -12,13 +12,13 @@ OLDEST_TESTS := tests/test_api.py tests/test_profile.py tests/test_discover.py t
 $(BIN)/activate: pyproject.toml requirements/dev.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c requirements/dev.txt -e '.[test,bench,docs,typecheck]'
+	$(BIN)/pip install -q --no-compile -c requirements/dev.txt -e '.[test,bench,docs,typecheck]'
 	touch $(BIN)/activate
 
 $(OLDEST)/bin/activate: pyproject.toml requirements/oldest.txt
 	$(PY) -m venv $(OLDEST)
 	$(OLDEST)/bin/pip install -q --upgrade pip
-	$(OLDEST)/bin/pip install -q -c requirements/oldest.txt -e '.[test]'
+	$(OLDEST)/bin/pip install -q --no-compile -c requirements/oldest.txt -e '.[test]'
 	touch $(OLDEST)/bin/activate
 
 # The main job, about two minutes on 2 CPU cores: the tutorial block's gradient standard,
