@@ -4,8 +4,10 @@ step 5, walks the rules).
 The candidates are the model's Pareto frontier (sorted by predicted peak: `MAX_CANDIDATES` points
 spread evenly, and as many more near the budget, `candidates`) and the uniform plans. `search` compiles the point the model chooses, then
 guesses by the predicted peaks scaled by the compiled/predicted ratio of the nearest compiled point
-(every candidate if the lowest-peak point misses: fusion and buffer reuse can reorder plans near
-the floor, and a device that refused the lowest may hold another: fuzz seed 20261206, case 81);
+(if the lowest-peak point misses, every candidate the model does not put above the lowest temp
+compiled by `FLOOR_MARGIN`, lowest first, and the fallback tiers whole: fusion and buffer reuse can
+reorder plans near the floor, and a device that refused the lowest may hold another: fuzz seed
+20261206, case 81);
 then frontier points until the cheapest fitting one is bracketed (`MISS_MARGIN`); then the uniform
 plans that could win (`FIT_MARGIN`, `WIN_MARGIN`), their predicted peaks scaled by the
 smallest ratio seen if below 1, never up (an under-predicted mixed plan must not rule out a uniform
@@ -49,6 +51,11 @@ TIE_MARGIN = 0.005
 #: as those spread over the whole frontier (`candidates`): the model's error on the TPU's GPT-2-medium
 #: is 5.6% either way (docs/fit.md), and up to 20% on the quick benchmark's ResNet.
 NEAR_BUDGET = 0.15
+#: Where no candidate compiled fits, one not compiled yet is left out when the model puts it above
+#: the lowest compiled temp even with its prediction, scaled by the smallest compiled/predicted
+#: ratio seen, divided by 1 + this (`_may_set_floor`): on the CPU's ViT of tests/real the ratios of
+#: the 24 candidates spread from 0.80 to 1.11, and the TPU model error is 15% (docs/fit.md).
+FLOOR_MARGIN = 0.25
 #: Candidates compiled together in one search step: a step that needs one fills the second with a
 #: uniform plan that could win (`spare` in `_search`).
 SPARE_BATCH = 2
@@ -277,9 +284,9 @@ def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimat
         if best is not None:
             compiled(*_could_win(uniforms, model, compiled, points, predicted, budget, best, rank))
             best = _chosen(compiled, budget, rank, uniforms)
-        if best is None:  # the model's lowest plan is not the compiler's: try them all, tier by tier
-            tiers = ((*uniforms, *points), *fallback)
-            pending = next((t for t in tiers if not all(c in compiled.figures for c in t)), None)
+        if best is None:  # nothing compiled fits: those that may set the floor, then the tiers
+            pending = _may_set_floor([*uniforms, *points], model, compiled) or next(
+                (t for t in fallback if not all(c in compiled.figures for c in t)), None)
             if pending is None:
                 raise error(compiled.floor())
             compiled(*pending)
@@ -289,6 +296,21 @@ def _search(points: Sequence[Choice], uniforms: Sequence[Choice], model: Estimat
             checked = tuple(checked_pair(model.peak(c), compiled.figures[c]) for c in built)
             return Outcome(best, compiled.figures[best], tuple(built), tuple(compiled.confirmed), checked,
                            skipped=compiled.skipped)
+
+
+def _may_set_floor(choices: Sequence[Choice], model: Estimates, compiled: CandidateFigures) -> list[Choice]:
+    """Up to `SPARE_BATCH` of `choices` not compiled yet that the model does not put above the
+    lowest temp compiled (under every loss: `CandidateFigures.floor`), lowest predicted first: their
+    predicted peak, scaled by the smallest compiled/predicted ratio of any candidate compiled (never
+    up) and lowered by `FLOOR_MARGIN`, is below it. Every one while none compiled."""
+    figures = compiled.figures
+    left = sorted((c for c in dict.fromkeys(choices) if c not in figures), key=model.peak)
+    ratios = [t / max(model.peak(c), 1.0) for c, (t, f) in figures.items() if is_compiled((t, f))]
+    floor = compiled.floor()
+    if math.isfinite(floor):
+        scale = min([1.0, *ratios]) / (1 + FLOOR_MARGIN)
+        left = [c for c in left if model.peak(c) * scale < floor]
+    return left[:SPARE_BATCH]
 
 
 def _best(compiled: CandidateFigures, budget: int, rank: Callable[[Choice, float], float]) -> Choice | None:

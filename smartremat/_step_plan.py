@@ -21,7 +21,7 @@ from ._plan import Plan
 from ._cost import aval_bytes
 from ._refused import Refused
 from ._memory import peak_at, peak_of
-from ._search import Unbuildable
+from ._search import FLOOR_MARGIN, Unbuildable
 from ._solve import min_peak
 from ._planner import Runs, planned
 from ._spec import planning_step, shardings_hidden
@@ -300,7 +300,8 @@ def _too_low(fun: Callable, config: Config, floor: int, name: str, auto: bool,
     return ValueError(
         f"`{name}(budget_mb={asked} is below the lowest temp memory any remat plan reaches "
         f"for the step `{step_name(fun)}` on these arguments: {floor / MB:.3f} MB (compiled "
-        f"temp bytes of the whole step, per device). Raise `budget_mb` to at least {up:.2f}, lower the "
+        f"temp bytes of the whole step, per device; the lowest of the candidate plans compiled, which leave "
+        f"out only those the model puts more than {FLOOR_MARGIN:.0%} above it). Raise `budget_mb` to at least {up:.2f}, lower the "
         "batch size, or shard the batch over more devices." + as_notes(reasons))
 
 

@@ -6,16 +6,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smartremat._search import NEAR_BUDGET, Estimates, candidates, search, spread
+from smartremat._search import FLOOR_MARGIN, NEAR_BUDGET, Estimates, candidates, search, spread
 
 
 def _run(temps, predicted, uniform_temps, budget, flops=None, uniform_flops=0.5, exact=None,
-         uniform_predicted=None, model_flops=None):
+         uniform_predicted=None, model_flops=None, asked=None, confirmed=None):
     """Frontier point i is the choice `(i,)` (temp `temps[i]`, FLOPs falling with i); uniform plan
     j is `(100 + j,)`. The model predicts `predicted[i]` and `uniform_predicted[j]` (by default
     the uniform temps scaled like the last frontier point), and FLOPs `model_flops` (by default
     the compiled ones). With `exact` (`{choice: temp under every loss}`), `temps` are the first
-    loss's. Returns the outcome, the choices compiled in order, and the exact table."""
+    loss's. Returns the outcome, the choices compiled in order (also appended to `asked`, if given:
+    an error leaves them there; those compiled under every loss to `confirmed`), and the exact table."""
     n = len(temps)
     flops = flops or [float(n - i) for i in range(n)]
     table = {(i,): (temps[i], flops[i]) for i in range(n)}
@@ -24,13 +25,15 @@ def _run(temps, predicted, uniform_temps, budget, flops=None, uniform_flops=0.5,
         uniform_predicted = [t * predicted[-1] / max(temps[-1], 1) for t in uniform_temps]
     peaks = {(i,): p for i, p in enumerate(predicted)} | {(100 + j,): p for j, p in enumerate(uniform_predicted)}
     model_flops = model_flops or {c: f for c, (_, f) in table.items()}
-    asked = []
+    asked = [] if asked is None else asked
 
     def measure(choice):
         asked.append(choice)
         return table[choice]
 
     def confirm(choice):
+        if confirmed is not None:
+            confirmed.append(choice)
         return exact[choice], table[choice][1]
 
     out = search([(i,) for i in range(n)], [(100 + j,) for j in range(len(uniform_temps))],
@@ -91,20 +94,58 @@ def test_with_several_losses_the_largest_temp_decides_and_is_compiled_only_where
 def test_whatever_the_compiler_says_the_choice_fits_and_a_refusal_states_the_true_floor(
         frontier, predicted, uniforms, budget, several_losses):
     """Temps in any order along the frontier, any predictions: the search ends, its choice fits
-    under every loss, each candidate is compiled once, and a refused budget is below every candidate."""
+    under every loss, each candidate is compiled once, and a refused budget is below the floor it
+    states: the lowest temp compiled under every loss, and every candidate not compiled is put
+    above it by the model, at the smallest compiled/predicted ratio (never above 1) lowered by
+    `FLOOR_MARGIN`."""
     n = len(frontier)
     predicted = sorted((predicted * n)[:n])
     temps = [t for t, _ in frontier]
     exact = {(i,): t + (extra if several_losses else 0) for i, (t, extra) in enumerate(frontier)}
     exact.update({(100 + j,): t + (extra if several_losses else 0) for j, (t, extra) in enumerate(uniforms)})
-    floor = min(exact.values())
+    asked, confirmed = [], []
     try:
-        out, asked, _ = _run(temps, predicted, [t for t, _ in uniforms], budget, exact=exact)
+        out, _, _ = _run(temps, predicted, [t for t, _ in uniforms], budget, exact=exact, asked=asked,
+                         confirmed=confirmed)
     except ValueError as e:
+        # the search's figure of a candidate: under every loss where it was confirmed, else the first's
+        held = {(i,): t for i, t in enumerate(temps)} | {(100 + j,): t for j, (t, _) in enumerate(uniforms)}
+        held |= {c: exact[c] for c in confirmed}
+        peaks = {(i,): p for i, p in enumerate(predicted)}
+        peaks |= {(100 + j,): t * predicted[-1] / max(temps[-1], 1) for j, (t, _) in enumerate(uniforms)}
+        floor = min(exact[c] for c in asked)
+        scale = min([1.0] + [held[c] / max(peaks[c], 1.0) for c in asked]) / (1 + FLOOR_MARGIN)
         assert budget < floor and str(e) == f"floor {floor}"
+        assert all(peaks[c] * scale >= floor for c in exact if c not in asked)
         return
     assert exact[out.choice] == out.compiled[0] <= budget
     assert len(asked) == len(set(asked))
+
+
+def test_below_the_floor_candidates_the_model_puts_far_above_it_are_not_compiled():
+    """At a budget below every plan, with the compiled temps (MB x 1000) and predictions of the
+    ViT of tests/real (its 15 frontier points and 4 uniform plans): the floor is the lowest of all
+    (full remat, a uniform plan), and those the model puts above it by more than `FLOOR_MARGIN` at
+    the smallest ratio seen are not compiled: 3 of the 19, all compiled before."""
+    predicted = [240, 291, 342, 368, 393, 444, 470, 497, 523, 540, 567, 593, 611, 629, 664]
+    temps = [265, 282, 332, 332, 381, 407, 433, 508, 534, 433, 508, 534, 552, 621, 656]
+    compiled = dict(zip([(i,) for i in range(15)] + [(100,), (101,), (102,), (103,)], temps + [681, 422, 370, 254]))
+    peaks = dict(zip(compiled, predicted + [681, 470, 393, 240]))
+    asked = []
+
+    def measure(choice):
+        asked.append(choice)
+        return compiled[choice], 1.0
+
+    with pytest.raises(ValueError, match="floor 254$"):
+        search([(i,) for i in range(15)], [(100,), (101,), (102,), (103,)], Estimates(peaks.__getitem__, lambda c: 1.0),
+               100, measure, lambda c, f: f, lambda floor: ValueError(f"floor {floor}"), lambda _: None)
+    scale = min([1.0] + [compiled[c] / peaks[c] for c in asked]) / (1 + FLOOR_MARGIN)
+    left = [c for c in peaks if c not in asked]
+    assert left and all(peaks[c] * scale >= 254 for c in left)
+    # the first guess (the lowest point) with its spare (full remat), then the one point predicted
+    # within the margin: 291 * 0.8 < 254 (the smallest ratio seen is above 1), 342 * 0.775 > 254
+    assert sorted(asked) == [(0,), (1,), (103,)]
 
 
 def test_a_plan_that_fits_the_first_loss_only_is_refuted():
