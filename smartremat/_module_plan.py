@@ -21,6 +21,7 @@ from ._plan import Plan
 from ._planner import Runs, planned
 from ._policies import no_policy_error
 from ._profile import n_module_leaves
+from ._search import FLOOR_SCOPE
 from ._spec import CallSpec, shardings_hidden
 from ._tune import Timed
 from ._verify import compiled_step, timed_step
@@ -70,7 +71,7 @@ class ModuleTarget:
         return timed_step(self.call, self.spec, runs[0], config.losses[0])
 
     def too_low(self, config: Config, model: MemoryModel, floor: int, compiled: bool) -> Exception:
-        kind = "compiled temp bytes of the training step" if compiled else "predicted by smartremat's model"
+        kind = f"compiled temp bytes of the training step: {FLOOR_SCOPE}" if compiled else "predicted by smartremat's model"
         return infeasible(config, self.spec, floor, kind, unplanned(model))
 
     def notes(self, model: MemoryModel) -> tuple[str, ...]:
@@ -95,8 +96,8 @@ def infeasible(config: Config, spec: CallSpec, floor: int, kind: str, reasons: t
     shapes = ", ".join(f"{d.dtype}{list(d.shape)}" for d in spec.dynamic[n_module_leaves(spec):])
     up = math.ceil(floor / MB * 100) / 100
     return ValueError(
-        f"`smartremat(budget_mb={config.budget_mb:g})` is below the lowest peak any remat plan "
-        f"reaches for this module on inputs ({shapes}): {floor / MB:.3f} MB ({kind}). Raise "
+        f"`smartremat(budget_mb={config.budget_mb:g})` is below the lowest peak of the remat plans smartremat "
+        f"tried for this module on inputs ({shapes}): {floor / MB:.3f} MB ({kind}). Raise "
         f"`budget_mb` to at least {up:.2f}, lower the batch size, or name finer blocks with "
         "`blocks=` so that smaller pieces can be recomputed." + as_notes(reasons) + _unseen_sharding(spec)
         + barrier_hint()

@@ -56,6 +56,9 @@ NEAR_BUDGET = 0.15
 #: ratio seen, divided by 1 + this (`_may_set_floor`): on the CPU's ViT of tests/real the ratios of
 #: the 24 candidates spread from 0.80 to 1.11, and the TPU model error is 15% (docs/fit.md).
 FLOOR_MARGIN = 0.25
+#: What a floor stated from compiled candidates covers: the errors of infeasible budgets say it.
+FLOOR_SCOPE = (f"the lowest of the candidate plans compiled; those left out are the ones smartremat's model "
+               f"puts more than {FLOOR_MARGIN:.0%} above it")
 #: Candidates compiled together in one search step: a step that needs one fills the second with a
 #: uniform plan that could win (`spare` in `_search`).
 SPARE_BATCH = 2
@@ -302,7 +305,10 @@ def _may_set_floor(choices: Sequence[Choice], model: Estimates, compiled: Candid
     """Up to `SPARE_BATCH` of `choices` not compiled yet that the model does not put above the
     lowest temp compiled (under every loss: `CandidateFigures.floor`), lowest predicted first: their
     predicted peak, scaled by the smallest compiled/predicted ratio of any candidate compiled (never
-    up) and lowered by `FLOOR_MARGIN`, is below it. Every one while none compiled."""
+    up) and divided by 1 + `FLOOR_MARGIN`, is below it. Every one while none compiled. Two at a time,
+    not every one left at once: the floor the first two set leaves out more of the rest (a batch
+    wider than the cores, or one sized by them, would also make which candidates are compiled
+    depend on the machine)."""
     figures = compiled.figures
     left = sorted((c for c in dict.fromkeys(choices) if c not in figures), key=model.peak)
     ratios = [t / max(model.peak(c), 1.0) for c, (t, f) in figures.items() if is_compiled((t, f))]

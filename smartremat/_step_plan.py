@@ -21,7 +21,7 @@ from ._plan import Plan
 from ._cost import aval_bytes
 from ._refused import Refused
 from ._memory import peak_at, peak_of
-from ._search import FLOOR_MARGIN, Unbuildable
+from ._search import FLOOR_SCOPE, Unbuildable
 from ._solve import min_peak
 from ._planner import Runs, planned
 from ._spec import planning_step, shardings_hidden
@@ -180,7 +180,7 @@ class StepTarget:
     def too_low(self, config: Config, model: MemoryModel, floor: int, compiled: bool) -> Exception:
         plain = self.plain(model)
         reasons = unplanned(model) + (() if plain is None else _no_saving(floor, plain))
-        return _too_low(self.fun, config, floor, "smartremat.filter_jit", self.options.auto, reasons)
+        return _too_low(self.fun, config, floor, "smartremat.filter_jit", self.options.auto, compiled, reasons)
 
     def notes(self, model: MemoryModel) -> tuple[str, ...]:
         return self.said + self._sharded_notes()
@@ -293,16 +293,17 @@ def _no_saving(floor: int, plain: int) -> tuple[str, ...]:
             "work inside a loop of the step)",)
 
 
-def _too_low(fun: Callable, config: Config, floor: int, name: str, auto: bool,
+def _too_low(fun: Callable, config: Config, floor: int, name: str, auto: bool, compiled: bool,
              reasons: tuple[str, ...] = ()) -> ValueError:
     up = -(-floor * 100 // MB) / 100
     asked = f'"auto"` ({config.budget_mb:.1f} MB of the device left for it)' if auto else f"{config.budget_mb:g})`"
+    kind = f"compiled temp bytes of the whole step, per device: {FLOOR_SCOPE}" if compiled else (
+        "temp bytes of the whole step, per device, predicted by smartremat's model")
     return ValueError(
-        f"`{name}(budget_mb={asked} is below the lowest temp memory any remat plan reaches "
-        f"for the step `{step_name(fun)}` on these arguments: {floor / MB:.3f} MB (compiled "
-        f"temp bytes of the whole step, per device; the lowest of the candidate plans compiled, which leave "
-        f"out only those the model puts more than {FLOOR_MARGIN:.0%} above it). Raise `budget_mb` to at least {up:.2f}, lower the "
-        "batch size, or shard the batch over more devices." + as_notes(reasons))
+        f"`{name}(budget_mb={asked} is below the lowest temp memory of the remat plans smartremat tried "
+        f"for the step `{step_name(fun)}` on these arguments: {floor / MB:.3f} MB ({kind}). Raise "
+        f"`budget_mb` to at least {up:.2f}, lower the batch size, or shard the batch over more devices."
+        + as_notes(reasons))
 
 
 def _no_module_call(fun: Callable, roots: list[tuple[str, Any]], name: str) -> str:
