@@ -18,7 +18,7 @@ import sys
 
 CPU_FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
 ACCELERATOR = shutil.which("nvidia-smi") is not None or importlib.util.find_spec("libtpu") is not None
-if "jax" not in sys.modules and not ACCELERATOR:
+if "jax" not in sys.modules and not ACCELERATOR and CPU_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + CPU_FLAG).strip()
 os.environ.setdefault("SMARTREMAT_DISK_CACHE", "0")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
