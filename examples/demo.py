@@ -70,7 +70,7 @@ def plan_and_train(model, x, loss, batches, lr, fraction=0.5) -> bool:
           f"asking for budget_mb={budget_mb:.2f}")
     try:
         plan = smartremat.explain(model, x, budget_mb=budget_mb)
-    except ValueError as e:  # the budget is below what any plan reaches: the error says the minimum
+    except ValueError as e:  # the budget is below every plan smartremat compiled: the error says the minimum
         budget_mb = float(str(e).split("at least ")[1].split(",")[0])
         print(f"smartremat refuses it and says what is reachable:\n  {e}\nasking for budget_mb={budget_mb:.2f}")
         plan = smartremat.explain(model, x, budget_mb=budget_mb)

@@ -71,8 +71,7 @@ class ModuleTarget:
         return timed_step(self.call, self.spec, runs[0], config.losses[0])
 
     def too_low(self, config: Config, model: MemoryModel, floor: int, compiled: bool) -> Exception:
-        kind = f"compiled temp bytes of the training step: {FLOOR_SCOPE}" if compiled else "predicted by smartremat's model"
-        return infeasible(config, self.spec, floor, kind, unplanned(model))
+        return infeasible(config, self.spec, floor, compiled, unplanned(model))
 
     def notes(self, model: MemoryModel) -> tuple[str, ...]:
         return ()
@@ -89,15 +88,18 @@ def get_plan(call: Callable, spec: CallSpec, module: Any, config: Config) -> Pla
     return planned(ModuleTarget(call, spec, module), config).plan
 
 
-def infeasible(config: Config, spec: CallSpec, floor: int, kind: str, reasons: tuple[str, ...] = ()) -> ValueError:
+def infeasible(config: Config, spec: CallSpec, floor: int, compiled: bool, reasons: tuple[str, ...] = ()) -> ValueError:
     empty = no_policy_error(config.policies, config.budget_mb, floor)
     if empty is not None:
         return empty
     shapes = ", ".join(f"{d.dtype}{list(d.shape)}" for d in spec.dynamic[n_module_leaves(spec):])
     up = math.ceil(floor / MB * 100) / 100
+    lowest, kind = (("the lowest peak of the remat plans smartremat compiled for this module", f"compiled temp bytes of the training "
+                     f"step; {FLOOR_SCOPE}") if compiled else
+                    ("the lowest peak smartremat's model predicts for a remat plan of this module", "predicted by smartremat's model"))
     return ValueError(
-        f"`smartremat(budget_mb={config.budget_mb:g})` is below the lowest peak of the remat plans smartremat "
-        f"tried for this module on inputs ({shapes}): {floor / MB:.3f} MB ({kind}). Raise "
+        f"`smartremat(budget_mb={config.budget_mb:g})` is below {lowest} on inputs "
+        f"({shapes}): {floor / MB:.3f} MB ({kind}). Raise "
         f"`budget_mb` to at least {up:.2f}, lower the batch size, or name finer blocks with "
         "`blocks=` so that smaller pieces can be recomputed." + as_notes(reasons) + _unseen_sharding(spec)
         + barrier_hint()

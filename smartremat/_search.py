@@ -57,8 +57,8 @@ NEAR_BUDGET = 0.15
 #: the 24 candidates spread from 0.80 to 1.11, and the TPU model error is 15% (docs/fit.md).
 FLOOR_MARGIN = 0.25
 #: What a floor stated from compiled candidates covers: the errors of infeasible budgets say it.
-FLOOR_SCOPE = (f"the lowest of the candidate plans compiled; those left out are the ones smartremat's model "
-               f"puts more than {FLOOR_MARGIN:.0%} above it")
+FLOOR_SCOPE = (f"the candidate plans not compiled are ones smartremat's model, scaled to the compiled figures, "
+               f"puts more than {FLOOR_MARGIN:.0%} above this")
 #: Candidates compiled together in one search step: a step that needs one fills the second with a
 #: uniform plan that could win (`spare` in `_search`).
 SPARE_BATCH = 2

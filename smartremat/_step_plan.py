@@ -297,11 +297,12 @@ def _too_low(fun: Callable, config: Config, floor: int, name: str, auto: bool, c
              reasons: tuple[str, ...] = ()) -> ValueError:
     up = -(-floor * 100 // MB) / 100
     asked = f'"auto"` ({config.budget_mb:.1f} MB of the device left for it)' if auto else f"{config.budget_mb:g})`"
-    kind = f"compiled temp bytes of the whole step, per device: {FLOOR_SCOPE}" if compiled else (
-        "temp bytes of the whole step, per device, predicted by smartremat's model")
+    lowest, kind = (("the lowest temp memory of the remat plans smartremat compiled",
+                     f"compiled temp bytes of the whole step, per device; {FLOOR_SCOPE}") if compiled else
+                    ("the lowest temp memory smartremat's model predicts for a remat plan",
+                     "temp bytes of the whole step, per device, predicted by smartremat's model"))
     return ValueError(
-        f"`{name}(budget_mb={asked} is below the lowest temp memory of the remat plans smartremat tried "
-        f"for the step `{step_name(fun)}` on these arguments: {floor / MB:.3f} MB ({kind}). Raise "
+        f"`{name}(budget_mb={asked} is below {lowest} for the step `{step_name(fun)}` on these arguments: {floor / MB:.3f} MB ({kind}). Raise "
         f"`budget_mb` to at least {up:.2f}, lower the batch size, or shard the batch over more devices."
         + as_notes(reasons))
 

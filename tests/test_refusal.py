@@ -187,8 +187,8 @@ def test_the_decorator_where_the_chip_refuses_every_candidate():
             plan = smartremat.explain(wrapped, x)
         # under the unconfirmed plan (a plain `eqx.filter_jit` call compiles past the simulated chip)
         grads = eqx.filter_jit(eqx.filter_grad(loss))(wrapped)
-        with pytest.raises(ValueError, match=r"`smartremat\(budget_mb=0.001\)` is below the lowest peak of the remat "
-                                             r"plans smartremat tried .* \(predicted by smartremat's model\)"):
+        with pytest.raises(ValueError, match=r"`smartremat\(budget_mb=0.001\)` is below the lowest peak smartremat's "
+                                             r"model predicts for a remat plan .* \(predicted by smartremat's model\)"):
             smartremat.explain(smartremat.smartremat(budget_mb=1e-3, nested=False)(model), x)  # below the model's floor
     assert plan.compiled_peak_bytes is None and 0 < plan.compiles <= len(chip.refused)
     assert plan.predicted_peak_bytes == plan.min_peak_bytes and not plan.checked

@@ -249,7 +249,7 @@ def _floor(built: Built, donate: str) -> tuple[float, float]:
     try:
         step.lower(*built.args)
     except ValueError as e:
-        exact = re.search(r"reach(?:es)?[^:]*: ([0-9.]+) MB", str(e))
+        exact = re.search(r"on these arguments: ([0-9.]+) MB", str(e))
         up = re.search(r"at least ([0-9.]+)", str(e))
         if not (exact and up):
             raise Failed("exception", _key(e), _trace(e)) from e
