@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._cache import KeyedCache
 from ._memory import Stage, objective_of, peak_of
 
 _MAX_TIED_COMBOS = 4096
@@ -71,8 +72,7 @@ def _solve_free(stages: Sequence[Stage], limit: int, cap: int | None = None) -> 
     for i, st in enumerate(stages):
         cont = st.run is not None and i > 0 and stages[i - 1].run == st.run
         starts = (0, 1) if st.run is not None and not cont and st.segments > 1 else (0,)
-        parts = [_expand(st, o, state, cont, m, limit, cap) for o in range(len(st.saved)) for m in starts]
-        k, c, p, op, pv, sg, md = (np.concatenate(x) for x in zip(*parts))
+        k, c, p, op, pv, sg, md = _expand(st, state, cont, starts, limit, cap)
         if len(k) == 0:
             return None
         keep = _pareto(k, c, ((pv + 1) * (st.segments + 2) + sg) * 2 + md)
@@ -91,40 +91,51 @@ def _traced_back(back: list[tuple[np.ndarray, np.ndarray]], i: int) -> tuple[int
     return tuple(reversed(choice))
 
 
-def _expand(st: Stage, o: int, state: tuple, cont: bool, start_mode: int, limit: int,
+def _expand(st: Stage, state: tuple, cont: bool, starts: tuple[int, ...], limit: int,
             cap: int | None) -> tuple[np.ndarray, ...]:
-    """The states reached from every current state by taking option `o` at stage `st`."""
+    """The states reached from every current state by taking each option `o` at stage `st`, each
+    run-start mode `m` of `starts` (`(parent state, option, ...)` per new state), in the order of
+    `(o, m, parent)`: one array per field, a row per `(o, m)` of the options tried."""
     kept, cost, prev, segs, mode = state
+    opts = np.repeat(np.arange(len(st.saved), dtype=np.int64), len(starts))[:, None]
     if st.run is None:
-        mode = np.zeros_like(mode)
+        mode = np.zeros((len(opts), len(kept)), np.int64)
     elif not cont:
-        mode = np.full_like(mode, start_mode)
-    extra, charge = st.split_extra * mode, st.objective[o] + st.split_charge * mode
-    feasible = (kept + st.peak[o] + extra <= limit) & (st.peak[o] < _FORBIDDEN)
+        mode = np.broadcast_to(np.tile(np.array(starts, np.int64), len(st.saved))[:, None], (len(opts), len(kept)))
+    else:
+        mode = np.broadcast_to(mode, (len(opts), len(kept)))
+    peak = np.array(st.peak, np.int64)[opts]
+    extra, charge = st.split_extra * mode, np.array(st.objective, np.int64)[opts] + st.split_charge * mode
+    feasible = (kept + peak + extra <= limit) & (peak < _FORBIDDEN)
     if cap is not None:
         feasible &= cost + charge <= cap
     if st.run is None:
-        new_segs = np.zeros_like(segs)
+        new_segs = np.zeros(feasible.shape, np.int64)
     else:
-        new_segs = segs + (prev != o) if cont else np.ones_like(segs)
+        new_segs = segs + (prev != opts) if cont else np.ones(feasible.shape, np.int64)
         feasible &= new_segs <= np.where(mode == 1, st.segments, 1)
-    ok = np.nonzero(feasible)[0]
-    new_prev = np.full(len(ok), o if st.run is not None else -1, np.int64)
-    return (kept[ok] + st.saved[o] + extra[ok], cost[ok] + charge[ok], ok, np.full(len(ok), o, np.int64),
-            new_prev, new_segs[ok], mode[ok])
+    row, ok = np.nonzero(feasible)
+    option = opts[row, 0]
+    return (kept[ok] + np.array(st.saved, np.int64)[option] + extra[row, ok], cost[ok] + charge[row, ok], ok, option,
+            option if st.run is not None else np.full(len(ok), -1, np.int64), new_segs[row, ok], mode[row, ok])
 
 
 def _pareto(k: np.ndarray, c: np.ndarray, label: np.ndarray) -> np.ndarray:
-    """Indices of states not dominated in (kept, cost) by another state of the same label."""
+    """Indices of states not dominated in (kept, cost) by another state of the same label: in order
+    of (label, kept, cost), a state is kept where its cost is below every earlier one of its label.
+    One running minimum over all labels does it: each label's costs are lowered by more than the
+    costs span times its place in that order, so that they are below those of every label before."""
     order = np.lexsort((c, k, label))
-    cs, ls = c[order], label[order]
-    keep = np.zeros(len(order), bool)
-    starts = np.flatnonzero(np.r_[True, ls[1:] != ls[:-1]])
-    for a, b in zip(starts, np.r_[starts[1:], len(order)]):
-        run = cs[a:b]
-        best_before = np.concatenate([[np.iinfo(np.int64).max], np.minimum.accumulate(run)[:-1]])
-        keep[a:b] = run < best_before
-    return order[keep]
+    if len(order) < 2:
+        return order
+    ls, cs = label[order], c[order]
+    group = np.cumsum(np.concatenate(([0], ls[1:] != ls[:-1])))
+    low, span = int(cs.min()), int(cs.max()) - int(cs.min()) + 1
+    if span * (int(group[-1]) + 1) >= 2**62:  # too wide for int64: their ranks span fewer
+        cs, low, span = np.unique(cs, return_inverse=True)[1].reshape(-1), 0, len(cs)
+    value = (cs - low) - group * span
+    before = np.concatenate(([np.iinfo(np.int64).max], np.minimum.accumulate(value)[:-1]))
+    return order[value < before]
 
 
 def solve(stages: Sequence[Stage], limit: int) -> Solution | None:
@@ -181,9 +192,18 @@ def _lowest_peak(stages: Sequence[Stage]) -> int:
     return int(worst.min())
 
 
+#: Frontiers by their stages: a plan, `explain` and the plans of other budgets for the same model
+#: share one (with scan runs, solving per point took 45 s per plan of tests/test_scan.py's GRU).
+_FRONTIERS: KeyedCache[tuple[Solution, ...]] = KeyedCache(max_entries=16)
+
+
 def frontier(stages: Sequence[Stage], max_points: int = 10_000) -> list[Solution]:
     """Every Pareto-optimal (peak, cost) pair, sorted by peak, each with a choice reaching it
-    (at most `max_points`, the highest-peak ones)."""
+    (at most `max_points`, the highest-peak ones); once per `(stages, max_points)`."""
+    return list(_FRONTIERS.get((tuple(stages), max_points), lambda: tuple(_frontier(stages, max_points))))
+
+
+def _frontier(stages: Sequence[Stage], max_points: int) -> list[Solution]:
     if any(st.run is not None for st in stages):
         return frontier_by_solving(stages, max_points)
     found = sorted((s for variant in _tied_variants(stages) for s in _frontier_free(variant)),
