@@ -71,7 +71,9 @@ if sys.argv[5] == "infeasible":
         json.dump({"process": pid, "made": len(made), "error": error}, f)
     jax.distributed.shutdown()
     sys.exit(0)
-planned = smartremat.filter_jit(step, budget_mb=budget_mb, tune=tune)
+# whole blocks only, as below: the subject is one plan shared by both processes, not the nested
+# options (a third of the block profile's compiles)
+planned = smartremat.filter_jit(step, budget_mb=budget_mb, tune=tune, nested=False)
 value, new = planned(model, x)
 want_value, want = plain(model, x)
 plan = planned.plan(model, x)
