@@ -93,9 +93,9 @@ def _traced_back(back: list[tuple[np.ndarray, np.ndarray]], i: int) -> tuple[int
 
 def _expand(st: Stage, state: tuple, cont: bool, starts: tuple[int, ...], limit: int,
             cap: int | None) -> tuple[np.ndarray, ...]:
-    """The states reached from every current state by taking each option `o` at stage `st`, each
-    run-start mode `m` of `starts` (`(parent state, option, ...)` per new state), in the order of
-    `(o, m, parent)`: one array per field, a row per `(o, m)` of the options tried."""
+    """The states reached from every current state by taking each option `o` at stage `st`, with
+    each run-start mode of `starts`: `(kept, cost, parent state, option, previous option, pieces,
+    mode)`, one flat array each, in the order of `(o, mode, parent)` (that of solving them one by one)."""
     kept, cost, prev, segs, mode = state
     opts = np.repeat(np.arange(len(st.saved), dtype=np.int64), len(starts))[:, None]
     if st.run is None:
@@ -116,8 +116,9 @@ def _expand(st: Stage, state: tuple, cont: bool, starts: tuple[int, ...], limit:
         feasible &= new_segs <= np.where(mode == 1, st.segments, 1)
     row, ok = np.nonzero(feasible)
     option = opts[row, 0]
-    return (kept[ok] + np.array(st.saved, np.int64)[option] + extra[row, ok], cost[ok] + charge[row, ok], ok, option,
-            option if st.run is not None else np.full(len(ok), -1, np.int64), new_segs[row, ok], mode[row, ok])
+    previous = option.copy() if st.run is not None else np.full(len(ok), -1, np.int64)
+    new_kept = kept[ok] + np.array(st.saved, np.int64)[option] + extra[row, ok]
+    return new_kept, cost[ok] + charge[row, ok], ok, option, previous, new_segs[row, ok], mode[row, ok]
 
 
 def _pareto(k: np.ndarray, c: np.ndarray, label: np.ndarray) -> np.ndarray:
@@ -200,10 +201,12 @@ _FRONTIERS: KeyedCache[tuple[Solution, ...]] = KeyedCache(max_entries=16)
 def frontier(stages: Sequence[Stage], max_points: int = 10_000) -> list[Solution]:
     """Every Pareto-optimal (peak, cost) pair, sorted by peak, each with a choice reaching it
     (at most `max_points`, the highest-peak ones); once per `(stages, max_points)`."""
-    return list(_FRONTIERS.get((tuple(stages), max_points), lambda: tuple(_frontier(stages, max_points))))
+    key = tuple(stages)
+    return list(_FRONTIERS.get((key, max_points), lambda: tuple(_frontier(key, max_points))))
 
 
 def _frontier(stages: Sequence[Stage], max_points: int) -> list[Solution]:
+    """`frontier`, made."""
     if any(st.run is not None for st in stages):
         return frontier_by_solving(stages, max_points)
     found = sorted((s for variant in _tied_variants(stages) for s in _frontier_free(variant)),
